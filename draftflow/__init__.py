@@ -1,0 +1,1 @@
+"""draftflow: build EAGLE-3 speculative-decoding drafters with Snakemake."""
