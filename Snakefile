@@ -1,0 +1,23 @@
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "config/schema.yaml")
+
+
+include: "rules/common.smk"
+include: "rules/demo_target.smk"
+include: "rules/prompts.smk"
+include: "rules/generate.smk"
+include: "rules/prepare.smk"
+include: "rules/vocab.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        rules.vocab_map.output,

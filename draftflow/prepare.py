@@ -1,0 +1,91 @@
+"""Stage 3: generated rows → speculators' training dataset and token frequencies."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from datasets import Dataset
+from speculators.data_generation.preprocessing import build_speculator_training_dataset
+from speculators.train.vocab_mapping import save_token_frequency_distribution
+from transformers import AutoTokenizer
+
+from draftflow.io import atomic_path, iter_jsonl, write_json
+
+
+@dataclass
+class PrepareStats:
+    rows_in: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped_too_few_supervised_tokens: int = 0
+    tokens: int = 0
+    supervised_tokens: int = 0
+
+
+def check_token_ids(row: dict, vocab_size: int, source: Path) -> None:
+    bad = [t for t in row["input_ids"] if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"{source}: sample {row['id']} has token ids outside the target's "
+            f"vocabulary of {vocab_size} (e.g. {bad[:3]}). The samples were "
+            "generated with another tokenizer: rerun generation for this target."
+        )
+
+
+def select_rows(
+    rows: list[dict], max_length: int, minimum_valid_tokens: int, stats: PrepareStats
+) -> list[dict]:
+    """Rows that keep enough supervised tokens after truncation to ``max_length``."""
+    kept = []
+    for row in rows:
+        supervised = sum(row["loss_mask"][:max_length])
+        if supervised < minimum_valid_tokens:
+            stats.dropped_too_few_supervised_tokens += 1
+            continue
+        stats.truncated += len(row["input_ids"]) > max_length
+        stats.tokens += min(len(row["input_ids"]), max_length)
+        stats.supervised_tokens += supervised
+        kept.append(row)
+    stats.kept = len(kept)
+    return kept
+
+
+def prepare(
+    samples: Path,
+    target: str,
+    *,
+    max_length: int,
+    minimum_valid_tokens: int,
+    dataset_output: Path,
+    token_freq_output: Path,
+    stats_output: Path,
+) -> PrepareStats:
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    rows = list(iter_jsonl(samples))
+    for row in rows:
+        check_token_ids(row, len(tokenizer), samples)
+    stats = PrepareStats(rows_in=len(rows))
+    rows = select_rows(rows, max_length, minimum_valid_tokens, stats)
+    if not rows:
+        raise ValueError(
+            f"{samples}: no sample has {minimum_valid_tokens}+ supervised tokens "
+            f"within prepare.max_seq_length={max_length}."
+        )
+    columns = {key: [row[key] for row in rows] for key in ("input_ids", "loss_mask")}
+    dataset = build_speculator_training_dataset(
+        Dataset.from_dict(columns),
+        tokenizer,
+        max_length=max_length,
+        num_proc=1,
+        minimum_valid_tokens=minimum_valid_tokens,
+    )
+    if len(dataset) != len(rows):
+        raise RuntimeError(f"speculators dropped {len(rows) - len(dataset)} rows")
+    dataset = dataset.add_column("sample_id", [row["id"] for row in rows])
+    with atomic_path(token_freq_output) as tmp:
+        save_token_frequency_distribution(dataset, tmp)
+    with atomic_path(dataset_output) as tmp:
+        dataset.save_to_disk(str(tmp))
+    write_json(stats_output, asdict(stats))
+    return stats

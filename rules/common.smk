@@ -1,0 +1,47 @@
+from draftflow.vllm_server import server_env, target_server_args
+
+RUN = config["run"]
+TARGET = config["target"]["path"]
+CONDA_ENV = "../envs/draftflow.yaml"
+
+
+def result(path):
+    return f"results/{RUN}/{path}"
+
+
+def log_path(rule, name="log"):
+    return f"logs/{RUN}/{rule}.{name}"
+
+
+def benchmark_path(rule):
+    return f"benchmarks/{RUN}/{rule}.tsv"
+
+
+def vllm_server_params(extra_args=()):
+    """Keyword arguments of draftflow.vllm_server.vllm_server for the target."""
+    vllm = config["vllm"]
+    args = target_server_args(
+        vllm,
+        dtype=config["target"]["dtype"],
+        device=config["device"],
+        seed=config["seed"],
+        trust_remote_code=config["target"]["trust_remote_code"],
+    )
+    return {
+        "args": [*args, *extra_args],
+        "host": vllm["host"],
+        "port": vllm["port"],
+        "health_timeout_s": vllm["health_timeout_s"],
+        "env": server_env(vllm, config["device"]),
+    }
+
+
+def gpus_per_server():
+    if config["device"] != "cuda":
+        return 0
+    return config["vllm"]["tensor_parallel_size"] * config["vllm"]["data_parallel_size"]
+
+
+def generation_server_args():
+    parser = config["generate"]["reasoning_parser"]
+    return ["--reasoning-parser", parser] if parser else []

@@ -1,0 +1,15 @@
+rule demo_target:
+    output:
+        model=directory("resources/demo-target"),
+        prompts="resources/demo-prompts.jsonl",
+    log:
+        "logs/demo_target.log",
+    benchmark:
+        "benchmarks/demo_target.tsv"
+    conda:
+        CONDA_ENV
+    params:
+        seed=0,
+        prompt_count=300,
+    script:
+        "../scripts/demo_target.py"

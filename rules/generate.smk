@@ -1,0 +1,31 @@
+rule generate:
+    input:
+        conversations=rules.prompts.output.conversations,
+        target=TARGET,
+    output:
+        samples=result("synthetic/generated.jsonl"),
+        errors=result("synthetic/errors.jsonl"),
+        stats=result("synthetic/stats.json"),
+    log:
+        log=log_path("generate"),
+        server=log_path("generate", "server.log"),
+    benchmark:
+        benchmark_path("generate")
+    conda:
+        CONDA_ENV
+    resources:
+        gpu=gpus_per_server(),
+    params:
+        endpoint=config["generate"]["endpoint"],
+        work_dir=result("synthetic/work"),
+        server=vllm_server_params(generation_server_args()),
+        settings={
+            "max_tokens": config["generate"]["max_tokens"],
+            "temperature": config["generate"]["temperature"],
+            "concurrency": config["generate"]["concurrency"],
+            "max_retries": config["generate"]["max_retries"],
+            "seed": config["seed"],
+            "reasoning_end_marker": config["generate"]["reasoning_end_marker"],
+        },
+    script:
+        "../scripts/generate.py"

@@ -1,0 +1,16 @@
+from pathlib import Path
+
+from draftflow.prepare import prepare
+from draftflow.rule_log import logged
+
+with logged(snakemake.log[0]):
+    stats = prepare(
+        Path(snakemake.input.samples),
+        snakemake.input.target,
+        max_length=snakemake.params.max_seq_length,
+        minimum_valid_tokens=snakemake.params.minimum_valid_tokens,
+        dataset_output=Path(snakemake.output.dataset),
+        token_freq_output=Path(snakemake.output.token_freq),
+        stats_output=Path(snakemake.output.stats),
+    )
+    print(stats)

@@ -1,0 +1,90 @@
+"""Stages 1–4 on the demo target, through real Snakemake and a real vLLM CPU server."""
+
+import json
+
+import numpy as np
+import pytest
+from datasets import load_from_disk
+from transformers import AutoTokenizer
+
+from draftflow.io import iter_jsonl
+from tests.conftest import demo_config, snakemake
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_run):
+    return AutoTokenizer.from_pretrained(demo_run.parents[1] / "resources/demo-target")
+
+
+def test_prompts_are_deduplicated_and_sampled(demo_run):
+    stats = json.loads((demo_run / "prompts/stats.json").read_text())
+    rows = list(iter_jsonl(demo_run / "prompts/conversations.jsonl"))
+    assert stats["duplicates"] > 0
+    assert len(rows) == stats["sampled"] == demo_config()["data"]["num_samples"]
+    assert len({row["id"] for row in rows}) == len(rows)
+
+
+def test_generated_tokens_are_the_target_rendering_plus_its_answer(demo_run, tokenizer):
+    conversations = {row["id"]: row for row in iter_jsonl(demo_run / "prompts/conversations.jsonl")}
+    rows = list(iter_jsonl(demo_run / "synthetic/generated.jsonl"))
+    assert len(rows) > 0.9 * len(conversations)
+    for row in rows:
+        prompt = tokenizer.apply_chat_template(
+            conversations[row["primary_id"]]["messages"], add_generation_prompt=True
+        )
+        prompt = prompt["input_ids"] if isinstance(prompt, dict) else prompt
+        assert row["input_ids"][: len(prompt)] == list(prompt)
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * (len(row["input_ids"]) - len(prompt))
+        assert max(row["input_ids"]) < len(tokenizer)
+
+
+def test_generation_stats_record_reasoning_and_throughput(demo_run):
+    stats = json.loads((demo_run / "synthetic/stats.json").read_text())
+    assert stats["samples"] > 0
+    assert 0.5 < stats["reasoning_capture_rate"] <= 1.0
+    assert stats["mean_response_tokens"] > 5
+    assert stats["response_tokens_per_second"] > 0
+    assert stats["errors"] == len(list(iter_jsonl(demo_run / "synthetic/errors.jsonl")))
+
+
+def test_prepared_dataset_masks_only_assistant_tokens(demo_run):
+    dataset = load_from_disk(str(demo_run / "prepared/dataset"))
+    generated = {row["id"]: row for row in iter_jsonl(demo_run / "synthetic/generated.jsonl")}
+    assert len(dataset) > 0
+    for row in dataset:
+        source = generated[row["sample_id"]]
+        assert row["loss_mask"].sum() > 0
+        assert row["input_ids"].tolist() == source["input_ids"][: len(row["input_ids"])]
+        assert row["loss_mask"].tolist() == source["loss_mask"][: len(row["loss_mask"])]
+
+
+def test_vocab_map_is_consistent(demo_run, tokenizer):
+    k = demo_config()["vocab"]["draft_vocab_size"]
+    d2t = np.load(demo_run / "vocab/d2t.npy")
+    t2d = np.load(demo_run / "vocab/t2d.npy")
+    assert d2t.shape == (k,) and t2d.shape == (len(tokenizer),)
+    assert t2d.sum() == k
+    targets = np.arange(k) + d2t
+    assert targets.min() >= 0 and targets.max() < len(tokenizer)
+    assert t2d[targets].all()
+    coverage = json.loads((demo_run / "vocab/coverage.json").read_text())
+    curve = [coverage["curve"][key] for key in sorted(coverage["curve"], key=int)]
+    assert all(0 < value <= 1 for value in curve)
+    assert curve == sorted(curve) and curve[0] < curve[-1]
+    assert (demo_run / "vocab/coverage.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"vocab": {"draft_vocab_sise": 10}}, "draft_vocab_sise"),
+        ({"data": {"num_samples": "many"}}, "num_samples"),
+        ({"device": "tpu"}, "device"),
+    ],
+)
+def test_schema_rejects_bad_config_naming_the_key(tmp_path, overrides, message):
+    process = snakemake(tmp_path, demo_config(**overrides), "-n", check=False)
+    assert process.returncode != 0
+    assert message in process.stderr
