@@ -9,15 +9,22 @@ configfile: "config/config.yaml"
 validate(config, "config/schema.yaml")
 
 
+wildcard_constraints:
+    shard=r"\d+",
+
+
 include: "rules/common.smk"
 include: "rules/demo_target.smk"
 include: "rules/prompts.smk"
 include: "rules/generate.smk"
 include: "rules/prepare.smk"
 include: "rules/vocab.smk"
+include: "rules/extract.smk"
 
 
 rule all:
     default_target: True
     input:
         rules.vocab_map.output,
+        rules.extract.output,
+        rules.fidelity.output,

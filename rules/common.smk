@@ -1,3 +1,7 @@
+import json
+from pathlib import Path
+
+from draftflow.layers import resolve_layer_ids
 from draftflow.vllm_server import server_env, target_server_args
 
 RUN = config["run"]
@@ -45,3 +49,29 @@ def gpus_per_server():
 def generation_server_args():
     parser = config["generate"]["reasoning_parser"]
     return ["--reasoning-parser", parser] if parser else []
+
+
+def extract_backend_options():
+    return {
+        "dtype": config["target"]["dtype"],
+        "device": config["device"],
+        "trust_remote_code": config["target"]["trust_remote_code"],
+        "token_budget": config["extract"]["token_budget"],
+        "concurrency": config["extract"]["concurrency"],
+        "max_retries": config["extract"]["max_retries"],
+        "server": vllm_server_params(),
+    }
+
+
+def check_layer_ids_now():
+    """Fail at parse time when the target exists and the layer ids do not fit it.
+
+    A target the workflow still has to build is checked by extract_plan.
+    """
+    target_config = Path(TARGET) / "config.json"
+    if target_config.exists():
+        layers = json.loads(target_config.read_text())["num_hidden_layers"]
+        resolve_layer_ids(config["extract"]["layer_ids"], layers)
+
+
+check_layer_ids_now()

@@ -1,0 +1,100 @@
+"""vLLM extraction backend: a server with the ``extract_hidden_states`` method.
+
+The requests go through speculators' client (``generate_hidden_states``) and
+its checks; draftflow keeps the shard loop, so that files land in the shard's
+directory with its journal and heartbeat (``generate-offline-data`` writes a
+whole dataset's files into one directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, as_completed, wait
+from pathlib import Path
+
+import openai
+import torch
+from safetensors.torch import load_file
+from speculators.data_generation.offline import check_hidden_states
+from speculators.data_generation.vllm_client import generate_hidden_states, wait_for_lock
+
+from draftflow.extraction import Sample
+from draftflow.vllm_server import vllm_server
+
+CPU_CONNECTOR = {
+    "kv_connector": "CPUHiddenStatesConnector",
+    "kv_connector_module_path": "draftflow.vllm_hidden_states_connector",
+}
+GPU_CONNECTOR = {"kv_connector": "ExampleHiddenStatesConnector"}
+
+
+def extraction_server_args(layer_ids: list[int], staging_dir: Path, device: str) -> list[str]:
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+    }
+    transfer = {
+        **(CPU_CONNECTOR if device == "cpu" else GPU_CONNECTOR),
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(staging_dir)},
+    }
+    return [
+        "--speculative-config", json.dumps(speculative),
+        "--kv-transfer-config", json.dumps(transfer),
+        "--no-enable-prefix-caching",
+    ]  # fmt: skip
+
+
+class VllmExtractor:
+    def __init__(self, base_url: str, model: str, concurrency: int, max_retries: int):
+        self.client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0)
+        self.model = model
+        self.concurrency = concurrency
+        self.max_retries = max_retries
+
+    def fetch(self, sample: Sample) -> tuple[Sample, torch.Tensor]:
+        path, _ = generate_hidden_states(
+            self.client, self.model, {"input_ids": sample.token_ids}, max_retries=self.max_retries
+        )
+        if Path(f"{path}.lock").exists():
+            wait_for_lock(f"{path}.lock")
+        payload = load_file(path)
+        Path(path).unlink()
+        check_hidden_states(payload, sample.token_ids)
+        return sample, payload["hidden_states"]
+
+    def __call__(self, samples: list[Sample]) -> Iterator[tuple[Sample, torch.Tensor]]:
+        """Keep ``concurrency`` requests in flight; yield results as they finish."""
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            in_flight = set()
+            for sample in samples:
+                if len(in_flight) >= self.concurrency:
+                    finished, in_flight = wait(in_flight, return_when=FIRST_COMPLETED)
+                    yield from (future.result() for future in finished)
+                in_flight.add(pool.submit(self.fetch, sample))
+            yield from (future.result() for future in as_completed(in_flight))
+
+
+@contextlib.contextmanager
+def vllm_extractor(
+    model_path: str,
+    layer_ids: list[int],
+    *,
+    server: dict,
+    device: str,
+    concurrency: int,
+    max_retries: int,
+    server_log: Path,
+) -> Iterator[VllmExtractor]:
+    staging_dir = Path(tempfile.mkdtemp(prefix="draftflow-hs-"))
+    args = [*server["args"], *extraction_server_args(layer_ids, staging_dir, device)]
+    try:
+        with vllm_server(model_path, log_path=server_log, **{**server, "args": args}) as url:
+            yield VllmExtractor(url, model_path, concurrency, max_retries)
+    finally:
+        shutil.rmtree(staging_dir, ignore_errors=True)

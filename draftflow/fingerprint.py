@@ -1,0 +1,32 @@
+"""Content hashes that identify a target model and its tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+IDENTITY_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as stream:
+        while block := stream.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def target_fingerprint(model_dir: str | Path) -> str:
+    """Hash of the target's config and tokenizer files (not its weights)."""
+    digest = hashlib.sha256()
+    for name in IDENTITY_FILES:
+        path = Path(model_dir) / name
+        if path.exists():
+            digest.update(f"{name}:{file_sha256(path)}\n".encode())
+    return digest.hexdigest()

@@ -1,0 +1,95 @@
+HIDDEN_STATES = result("hidden_states")
+
+
+localrules:
+    extract_plan,
+    extract,
+
+
+rule extract_plan:
+    input:
+        dataset=rules.prepare.output.dataset,
+        target=TARGET,
+    output:
+        plan=f"{HIDDEN_STATES}/plan.json",
+    log:
+        log_path("extract_plan"),
+    benchmark:
+        benchmark_path("extract_plan")
+    conda:
+        CONDA_ENV
+    params:
+        output_dir=lambda wildcards, output: Path(output[0]).parent,
+        shards=config["extract"]["shards"],
+        layer_ids=config["extract"]["layer_ids"],
+        dtype=config["target"]["dtype"],
+        trust_remote_code=config["target"]["trust_remote_code"],
+        disk_margin=config["extract"]["disk_margin"],
+    script:
+        "../scripts/extract_plan.py"
+
+
+rule extract_shard:
+    input:
+        plan=rules.extract_plan.output.plan,
+        dataset=rules.prepare.output.dataset,
+        target=TARGET,
+    output:
+        manifest=f"{HIDDEN_STATES}/shard-{{shard}}.json",
+    log:
+        log=log_path("extract_shard-{shard}"),
+        server=log_path("extract_shard-{shard}", "server.log"),
+    benchmark:
+        benchmark_path("extract_shard-{shard}")
+    conda:
+        CONDA_ENV
+    resources:
+        gpu=gpus_per_server(),
+    params:
+        output_dir=lambda wildcards, output: Path(output[0]).parent,
+        backend=config["extract"]["backend"],
+        backend_options=extract_backend_options(),
+    script:
+        "../scripts/extract_shard.py"
+
+
+rule extract:
+    input:
+        manifests=expand(
+            f"{HIDDEN_STATES}/shard-{{shard}}.json",
+            shard=range(config["extract"]["shards"]),
+        ),
+    output:
+        summary=f"{HIDDEN_STATES}/manifest.json",
+    log:
+        log_path("extract"),
+    benchmark:
+        benchmark_path("extract")
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/extract_gather.py"
+
+
+rule fidelity:
+    input:
+        plan=rules.extract_plan.output.plan,
+        dataset=rules.prepare.output.dataset,
+        target=TARGET,
+    output:
+        report=result("fidelity/fidelity.json"),
+    log:
+        log=log_path("fidelity"),
+        server=log_path("fidelity", "server.log"),
+    benchmark:
+        benchmark_path("fidelity")
+    conda:
+        CONDA_ENV
+    resources:
+        gpu=gpus_per_server(),
+    params:
+        samples=config["extract"]["fidelity_samples"],
+        tolerance=config["extract"]["fidelity_tolerance"][config["target"]["dtype"]],
+        backend_options=extract_backend_options(),
+    script:
+        "../scripts/fidelity.py"
