@@ -20,11 +20,12 @@ include: "rules/generate.smk"
 include: "rules/prepare.smk"
 include: "rules/vocab.smk"
 include: "rules/extract.smk"
+include: "rules/train.smk"
+include: "rules/evaluate.smk"
+include: "rules/report.smk"
 
 
 rule all:
     default_target: True
     input:
-        rules.vocab_map.output,
-        rules.extract.output,
-        rules.fidelity.output,
+        rules.report.output,

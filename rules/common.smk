@@ -75,3 +75,13 @@ def check_layer_ids_now():
 
 
 check_layer_ids_now()
+
+
+def train_settings():
+    """draftflow.train.TrainSettings as a dict."""
+    train = config["train"]
+    return {
+        **{k: v for k, v in train.items() if k != "heldout_fraction"},
+        "seed": config["seed"],
+        "device": config["device"],
+    }

@@ -1,0 +1,156 @@
+"""Stage 7: how often the drafter's tokens would be accepted, from held-out hidden states.
+
+For every start position in an assistant turn the drafter proposes K tokens as
+a chain (greedy), and each is checked against the target's greedy token, the
+argmax of the target's own norm and lm_head over the final-layer state. A
+proposal counts only while every earlier one was accepted, as at serving time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from draftflow.hidden_states import file_name
+
+
+class LayerIdMismatch(ValueError):
+    pass
+
+
+def check_layer_ids(drafter_config: dict, extracted_layer_ids: list[int], drafter_dir: Path) -> None:
+    aux = drafter_config["eagle_aux_hidden_state_layer_ids"]
+    if list(aux) != list(extracted_layer_ids[:-1]):
+        raise LayerIdMismatch(
+            f"{drafter_dir}/config.json has eagle_aux_hidden_state_layer_ids {aux}, but the "
+            f"hidden states were extracted from layers {extracted_layer_ids[:-1]} (+ final "
+            f"{extracted_layer_ids[-1]}). Retrain the drafter on these hidden states."
+        )
+
+
+def target_tensors(target: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read a few named tensors from the target's (possibly sharded) safetensors."""
+    index = target / "model.safetensors.index.json"
+    where = (
+        json.loads(index.read_text())["weight_map"]
+        if index.exists()
+        else {name: "model.safetensors" for name in names}
+    )
+    tensors = {}
+    for name in names:
+        with safe_open(str(target / where[name]), framework="pt") as shard:
+            tensors[name] = shard.get_tensor(name).float()
+    return tensors
+
+
+class TargetHead:
+    """The target's final norm and lm_head: greedy tokens from final-layer states."""
+
+    def __init__(self, target: Path):
+        config = AutoConfig.from_pretrained(target)
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        weights = target_tensors(target, ["model.norm.weight", head])
+        self.norm_weight = weights["model.norm.weight"]
+        self.lm_head = weights[head]
+        self.eps = config.rms_norm_eps
+
+    def greedy(self, final_states: torch.Tensor) -> torch.Tensor:
+        states = final_states.float()
+        normed = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.norm_weight @ self.lm_head.T).argmax(-1)
+
+
+@torch.inference_mode()
+def draft_chains(drafter, token_ids: torch.Tensor, aux_states: torch.Tensor, steps: int) -> torch.Tensor:
+    """[steps, T-1] target-vocab tokens; row k at j proposes position j+2+k."""
+    length = token_ids.numel() - 1
+    drafts = drafter(
+        hidden_states=aux_states[:-1].flatten(1).unsqueeze(0),
+        input_ids=token_ids[1:].unsqueeze(0),
+        document_ids=torch.zeros(1, length, dtype=torch.long),
+        position_ids=torch.arange(1, length + 1).unsqueeze(0),
+        ttt_steps=steps,
+    )
+    draft = torch.cat(drafts, dim=0)
+    return draft + drafter.d2t[draft]
+
+
+def accepted_lengths(
+    token_ids: torch.Tensor, loss_mask: torch.Tensor, greedy: torch.Tensor, drafts: torch.Tensor
+) -> torch.Tensor:
+    """Accepted chain length (0..K) for each start j whose verified token x[j+1] is the assistant's."""
+    steps, total = drafts.shape[0], token_ids.numel()
+    starts = [j for j in range(total - steps - 1) if loss_mask[j + 1]]
+    lengths = []
+    for j in starts:
+        accepted = 0
+        for k in range(steps):
+            on_target_path = k == 0 or token_ids[j + 1 + k] == greedy[j + k]
+            if not (on_target_path and drafts[k, j] == greedy[j + 1 + k]):
+                break
+            accepted += 1
+        lengths.append(accepted)
+    return torch.tensor(lengths, dtype=torch.long)
+
+
+def summarize(lengths: torch.Tensor, steps: int) -> dict:
+    at_least = [float((lengths >= k).float().mean()) for k in range(1, steps + 1)]
+    conditional = [at_least[0]] + [
+        at_least[k] / at_least[k - 1] if at_least[k - 1] else 0.0 for k in range(1, steps)
+    ]
+    return {
+        "positions": int(lengths.numel()),
+        "acceptance_per_position": at_least,
+        "conditional_acceptance_per_position": conditional,
+        "mean_accepted_drafts": float(lengths.float().mean()),
+        # vLLM's convention: the target's own token plus the accepted drafts.
+        "mean_acceptance_length": 1.0 + float(lengths.float().mean()),
+    }
+
+
+def evaluate(drafter, head: TargetHead, view_dir: Path, samples: list[tuple[int, list[int], list[int]]], steps: int) -> dict:
+    """``samples``: (row in the view, token ids, loss mask)."""
+    drafter.eval()
+    all_lengths = []
+    for row, token_ids, loss_mask in samples:
+        payload = load_file(view_dir / "hidden_states" / file_name(row))
+        states = payload["hidden_states"].float()
+        ids = torch.tensor(token_ids)
+        greedy = head.greedy(states[:, -1])
+        drafts = draft_chains(drafter, ids, states[:, :-1], steps)
+        all_lengths.append(accepted_lengths(ids, torch.tensor(loss_mask), greedy, drafts))
+    return summarize(torch.cat(all_lengths), steps)
+
+
+def plot_acceptance(results: dict, output: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from draftflow.io import atomic_path
+
+    positions = range(1, results["draft_tokens"] + 1)
+    figure, axis = plt.subplots(figsize=(6, 4))
+    width = 0.38
+    for offset, name in ((-width / 2, "untrained"), (width / 2, "trained")):
+        values = [100 * v for v in results[name]["acceptance_per_position"]]
+        label = f"{name} (mean acceptance length {results[name]['mean_acceptance_length']:.2f})"
+        axis.bar([p + offset for p in positions], values, width, label=label)
+    axis.set(
+        xlabel="draft position k",
+        ylabel="drafts accepted through position k (%)",
+        title="Offline acceptance on held-out samples",
+        xticks=list(positions),
+        ylim=(0, 100),
+    )
+    axis.legend()
+    figure.tight_layout()
+    with atomic_path(output) as tmp:
+        figure.savefig(tmp, format="png", dpi=120)
+    plt.close(figure)

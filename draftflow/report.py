@@ -1,0 +1,136 @@
+"""Stage 8: one page on what each stage cost and what the run produced."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from draftflow.io import atomic_path, read_json, write_text
+
+COLUMNS = ("stage", "jobs", "seconds", "max_rss_mb", "cpu_seconds", "work", "throughput")
+
+
+def read_benchmark(path: Path) -> dict:
+    with path.open() as stream:
+        row = next(csv.DictReader(stream, delimiter="\t"))
+    number = lambda key: float(row[key]) if row.get(key) not in (None, "", "NA", "-") else 0.0  # noqa: E731
+    return {"seconds": number("s"), "max_rss_mb": number("max_rss"), "cpu_seconds": number("cpu_time")}
+
+
+def stage_of(benchmark: Path) -> str:
+    """extract_shard-3.tsv → extract_shard: shards are summed into one stage."""
+    return benchmark.stem.split("-")[0]
+
+
+def gather_runtimes(benchmarks: list[Path]) -> dict[str, dict]:
+    stages: dict[str, dict] = {}
+    for path in benchmarks:
+        numbers = read_benchmark(path)
+        stage = stages.setdefault(stage_of(path), {"jobs": 0, "seconds": 0.0, "max_rss_mb": 0.0, "cpu_seconds": 0.0})
+        stage["jobs"] += 1
+        stage["seconds"] += numbers["seconds"]
+        stage["cpu_seconds"] += numbers["cpu_seconds"]
+        stage["max_rss_mb"] = max(stage["max_rss_mb"], numbers["max_rss_mb"])
+    return stages
+
+
+def rate(amount: float, seconds: float, unit: str) -> str:
+    return f"{amount / seconds:,.1f} {unit}/s" if seconds else "n/a"
+
+
+def stage_work(stats: dict, runtimes: dict) -> dict[str, tuple[str, str]]:
+    """Per stage: (what it processed, its throughput), from the stages' own stats."""
+    seconds = lambda stage: runtimes.get(stage, {}).get("seconds", 0.0)  # noqa: E731
+    generated, prepared, extracted, trained = (
+        stats["generate"], stats["prepare"], stats["extract"], stats["train"]
+    )
+    return {
+        "prompts": (f"{stats['prompts']['sampled']} conversations", rate(stats["prompts"]["sampled"], seconds("prompts"), "conversations")),
+        "generate": (
+            f"{generated['samples']} samples, {generated['response_tokens']:,} response tokens",
+            f"{generated['response_tokens_per_second']:,.1f} tokens/s (server up)",
+        ),
+        "prepare": (f"{prepared['kept']} samples, {prepared['tokens']:,} tokens", rate(prepared["tokens"], seconds("prepare"), "tokens")),
+        "extract_shard": (
+            f"{extracted['samples']} samples, {extracted['tokens']:,} tokens, {extracted['bytes'] / 1e6:,.1f} MB written",
+            f"{rate(extracted['tokens'], seconds('extract_shard'), 'tokens')}, {rate(extracted['bytes'] / 1e6, seconds('extract_shard'), 'MB')}",
+        ),
+        "train": (f"{trained.get('steps', 'n/a')} steps", f"{trained.get('supervised_tokens_per_second', 0):,.1f} supervised tokens/s"),
+    }
+
+
+def write_runtimes_tsv(rows: list[dict], output: Path) -> None:
+    with atomic_path(output) as tmp, tmp.open("w", newline="") as stream:
+        writer = csv.DictWriter(stream, COLUMNS, delimiter="\t")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def runtime_rows(runtimes: dict, work: dict) -> list[dict]:
+    return [
+        {
+            "stage": stage,
+            "jobs": numbers["jobs"],
+            "seconds": round(numbers["seconds"], 2),
+            "max_rss_mb": round(numbers["max_rss_mb"], 1),
+            "cpu_seconds": round(numbers["cpu_seconds"], 2),
+            "work": work.get(stage, ("", ""))[0],
+            "throughput": work.get(stage, ("", ""))[1],
+        }
+        for stage, numbers in runtimes.items()
+    ]
+
+
+def plot_runtimes(rows: list[dict], output: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2))
+    axis.barh([row["stage"] for row in rows], [row["seconds"] for row in rows])
+    for index, row in enumerate(rows):
+        axis.annotate(f"{row['seconds']:.1f} s", (row["seconds"], index), xytext=(4, -4), textcoords="offset points")
+    axis.invert_yaxis()
+    axis.set(xlabel="wall time (s, summed over a stage's jobs)", title="Runtime per stage")
+    figure.tight_layout()
+    with atomic_path(output) as tmp:
+        figure.savefig(tmp, format="png", dpi=120)
+    plt.close(figure)
+
+
+def markdown(run: str, rows: list[dict], stats: dict) -> str:
+    coverage, evaluation, fidelity = stats["coverage"], stats["evaluation"], stats["fidelity"]
+    lines = [f"# draftflow report: {run}", "", "## Stages", "", "| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(row[c]) for c in COLUMNS) + " |" for row in rows]
+    lines += ["", "![runtime per stage](stage_runtimes.png)", "", "## Data", ""]
+    generated = stats["generate"]
+    lines += [
+        f"- generation: {generated['samples']} samples, {generated['errors']} errors, reasoning captured in "
+        f"{100 * generated['reasoning_capture_rate']:.1f}%, mean {generated['mean_prompt_tokens']:.0f} prompt / "
+        f"{generated['mean_response_tokens']:.0f} response tokens",
+        f"- draft vocabulary: {100 * coverage['coverage']:.1f}% of loss-masked tokens covered at "
+        f"K={coverage['draft_vocab_size']} (target vocabulary {coverage['target_vocab_size']})",
+        f"- extraction fidelity (vLLM vs transformers, max relative error per layer): "
+        f"{', '.join(f'{k}: {v:.1e}' for k, v in fidelity['max_relative_error_per_layer'].items())}",
+        "",
+        "## Acceptance (held-out samples)",
+        "",
+        "| drafter | mean acceptance length | " + " | ".join(f"pos {k}" for k in range(1, evaluation["draft_tokens"] + 1)) + " |",
+        "|" + " --- |" * (evaluation["draft_tokens"] + 2),
+    ]
+    for name in ("trained", "untrained"):
+        per_position = " | ".join(f"{100 * a:.1f}%" for a in evaluation[name]["acceptance_per_position"])
+        lines.append(f"| {name} | {evaluation[name]['mean_acceptance_length']:.3f} | {per_position} |")
+    gate = evaluation["gate"]
+    lines += ["", f"Gate: mean acceptance length ≥ {gate['min_acceptance_length']}: {'passed' if gate['passed'] else 'FAILED'}.", "", "![acceptance](../evaluation/acceptance.png)", ""]
+    return "\n".join(lines)
+
+
+def build_report(run: str, benchmarks: list[Path], stat_files: dict[str, Path], outputs: dict[str, Path]) -> None:
+    stats = {name: read_json(path) for name, path in stat_files.items()}
+    runtimes = gather_runtimes(benchmarks)
+    rows = runtime_rows(runtimes, stage_work(stats, runtimes))
+    write_runtimes_tsv(rows, outputs["runtimes"])
+    plot_runtimes(rows, outputs["plot"])
+    write_text(outputs["markdown"], markdown(run, rows, stats))

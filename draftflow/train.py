@@ -1,0 +1,269 @@
+"""Stage 6: train an EAGLE-3 drafter with speculators.
+
+Both devices start from the same untrained checkpoint, built by speculators'
+own ``train --dry-run``. On CUDA speculators' ``Trainer`` (torchrun) trains
+it. The ``Trainer`` needs an accelerator, so on CPU a single-process loop
+drives the same ``Eagle3DraftModel``, data classes and loss.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from speculators.losses.utils import resolve_loss_config
+from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+from speculators.models.eagle3.data import shift_batch
+from speculators.train.data import ArrowDataset, CollateFn
+from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from draftflow.io import atomic_path, write_json
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """What the untrained drafter depends on (training settings do not change it)."""
+
+    num_layers: int
+    attention: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    epochs: int
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    ttt_steps: int
+    ttt_step_loss_decay: float
+    seq_length: int
+    loss_fn: str
+    loss_implementation: str
+    attention: str
+    num_layers: int
+    checkpoint_every_steps: int
+    gpus: int
+    seed: int
+    device: str
+
+    def key(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def drafter_flags(
+    target: str, aux_layer_ids: list[int], d2t: Path, t2d: Path, shape: DrafterShape
+) -> list[str]:
+    """``speculators train`` flags that shape the drafter."""
+    return [
+        "--speculator-type", "eagle3",
+        "--verifier-name-or-path", str(Path(target).resolve()),
+        "--target-layer-ids", *map(str, aux_layer_ids),
+        "--draft-vocab-size", str(len(np.load(d2t))),
+        "--d2t-path", str(d2t),
+        "--t2d-path", str(t2d),
+        "--num-layers", str(shape.num_layers),
+        "--draft-attn-impl", shape.attention,
+        "--seed", str(shape.seed),
+    ]  # fmt: skip
+
+
+def init_drafter(target, aux_layer_ids, d2t, t2d, shape: DrafterShape, output: Path) -> None:
+    """The untrained drafter, built by speculators (also the evaluation's floor)."""
+    with atomic_path(output) as tmp:
+        flags = drafter_flags(target, aux_layer_ids, d2t, t2d, shape)
+        command = [sys.executable, "-m", "speculators", "train", *flags, "--dry-run", "--save-path", str(tmp)]
+        subprocess.run(command, check=True)
+
+
+def load_drafter(path: Path, attention: str, dtype=torch.float32) -> Eagle3DraftModel:
+    """A saved drafter with the verifier's embeddings, norm and lm_head loaded."""
+    config = Eagle3SpeculatorConfig.from_pretrained(str(path))
+    # Saved configs name no attention, and the model then picks flex
+    # attention, which has no CPU backward.
+    config.transformer_layer_config._attn_implementation = attention  # noqa: SLF001
+    model = Eagle3DraftModel.from_pretrained(str(path), config=config)
+    model.load_verifier_weights()
+    return model.to(dtype)
+
+
+def data_loader(view_dir: Path, settings: TrainSettings, num_aux: int, hidden_size: int, epoch: int) -> DataLoader:
+    dataset = ArrowDataset(
+        max_len=settings.seq_length,
+        datapath=str(view_dir),
+        on_missing="raise",
+        hidden_states_dtype=torch.float32,
+    )
+    sampler = MultipackDistributedBatchSamplerV2(
+        batch_max_length=settings.seq_length,
+        lengths=dataset.approx_lengths,
+        num_replicas=1,
+        rank=0,
+        seed=settings.seed,
+    )
+    sampler.set_epoch(epoch)
+    collate = CollateFn(
+        settings.seq_length, hidden_size, num_target_layers=num_aux, dtype=torch.float32, preprocess=shift_batch
+    )
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0)
+
+
+MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
+
+
+class Checkpoint:
+    """Training state saved atomically every N steps; a rerun continues from it."""
+
+    def __init__(self, path: Path, settings: TrainSettings):
+        self.path = path
+        self.settings_key = settings.key()
+
+    def load(self) -> dict | None:
+        if not self.path.exists():
+            return None
+        state = torch.load(self.path, weights_only=False)
+        return state if state["settings_key"] == self.settings_key else None
+
+    def save(self, model, optimizer, scheduler, epoch: int, step_in_epoch: int, global_step: int) -> None:
+        state = {
+            "settings_key": self.settings_key,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "epoch": epoch,
+            "step_in_epoch": step_in_epoch,
+            "global_step": global_step,
+        }
+        with atomic_path(self.path) as tmp:
+            torch.save(state, tmp)
+
+
+def train_on_cpu(init_dir: Path, view_dir: Path, settings: TrainSettings, work_dir: Path, output: Path) -> dict:
+    torch.manual_seed(settings.seed)
+    model = load_drafter(init_dir, settings.attention)
+    num_aux = len(model.config.eagle_aux_hidden_state_layer_ids)
+    steps_per_epoch = len(data_loader(view_dir, settings, num_aux, model.hidden_size, 0))
+    total_steps = steps_per_epoch * settings.epochs
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, settings.warmup_steps, total_steps)
+    loss_config = resolve_loss_config(settings.loss_fn, "eager")
+    checkpoint = Checkpoint(work_dir / "checkpoint.pt", settings)
+    start_epoch, skip_steps, global_step = 0, 0, 0
+    if state := checkpoint.load():
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_epoch, skip_steps, global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        print(f"resuming at epoch {start_epoch}, step {skip_steps} (global step {global_step})")
+    history = []
+    started = time.monotonic()
+    tokens = 0
+    model.train()
+    progress = tqdm(total=total_steps, initial=global_step, desc="train", unit="step")
+    for epoch in range(start_epoch, settings.epochs):
+        for step, batch in enumerate(data_loader(view_dir, settings, num_aux, model.hidden_size, epoch), 1):
+            if epoch == start_epoch and step <= skip_steps:
+                continue
+            _, loss, metrics = model(
+                **{k: batch[k] for k in MODEL_INPUTS},
+                ttt_steps=settings.ttt_steps,
+                ttt_step_loss_decay=settings.ttt_step_loss_decay,
+                loss_config=loss_config,
+            )
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            scheduler.step()
+            global_step += 1
+            tokens += int(batch["loss_mask"].sum())
+            history.append({"step": global_step, "epoch": epoch, "loss": loss.item()})
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss.item():.3f}", epoch=epoch)
+            if global_step % settings.checkpoint_every_steps == 0:
+                checkpoint.save(model, optimizer, scheduler, epoch, step, global_step)
+        skip_steps = 0
+    progress.close()
+    seconds = time.monotonic() - started
+    save_drafter(model, output)
+    return {
+        "steps": global_step,
+        "epochs": settings.epochs,
+        "final_loss": history[-1]["loss"] if history else None,
+        "loss_history": history,
+        "seconds_this_run": seconds,
+        "supervised_tokens_per_second": tokens / seconds if seconds else 0.0,
+        "trainer": "draftflow single-process loop (CPU)",
+    }
+
+
+def save_drafter(model: Eagle3DraftModel, output: Path) -> None:
+    with atomic_path(output) as tmp:
+        model.save_pretrained(str(tmp))
+
+
+def train_with_trainer(
+    init_dir: Path, view_dir: Path, settings: TrainSettings, work_dir: Path, output: Path
+) -> dict:
+    """speculators' Trainer under torchrun, one process per GPU."""
+    started = time.monotonic()
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={settings.gpus}",
+        "-m", "speculators.train",
+        "--speculator-type", "eagle3",
+        "--from-pretrained", str(init_dir),
+        "--verifier-name-or-path", drafter_identity(init_dir)[0],
+        "--ttt-steps", str(settings.ttt_steps),
+        "--ttt-step-loss-decay", str(settings.ttt_step_loss_decay),
+        "--loss-fn", settings.loss_fn,
+        "--loss-implementation", settings.loss_implementation,
+        "--seed", str(settings.seed),
+        "--save-path", str(work_dir / "checkpoints"),
+        "--data-path", str(view_dir),
+        "--epochs", str(settings.epochs),
+        "--lr", str(settings.lr),
+        "--weight-decay", str(settings.weight_decay),
+        "--scheduler-warmup-steps", str(settings.warmup_steps),
+        "--total-seq-len", str(settings.seq_length),
+        "--on-missing", "raise",
+        "--train-data-ratio", "0.99",
+    ]  # fmt: skip
+    subprocess.run(command, check=True)
+    final = max((work_dir / "checkpoints").glob("[0-9]*"), key=lambda p: int(p.name))
+    with atomic_path(output) as tmp:
+        shutil.copytree(final, tmp)
+    return {"epochs": settings.epochs, "seconds_this_run": time.monotonic() - started, "trainer": "speculators Trainer"}
+
+
+def drafter_identity(drafter_dir: Path) -> tuple[str, list[int]]:
+    """(verifier path, aux layer ids) recorded in a drafter's config."""
+    config = json.loads((drafter_dir / "config.json").read_text())
+    verifier = config["speculators_config"]["verifier"]["name_or_path"]
+    return verifier, config["eagle_aux_hidden_state_layer_ids"]
+
+
+def finalize_config(
+    drafter_dir: Path, target: str, aux_layer_ids: list[int], speculative_tokens: int | None = None
+) -> None:
+    """Make the config self-describing: absolute verifier path, explicit layer ids,
+    and the number of tokens to propose (the steps it was trained to draft)."""
+    path = drafter_dir / "config.json"
+    config = json.loads(path.read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = list(aux_layer_ids)
+    speculators = config["speculators_config"]
+    speculators["verifier"]["name_or_path"] = str(Path(target).resolve())
+    if speculative_tokens:
+        for proposal in speculators["proposal_methods"]:
+            proposal["speculative_tokens"] = speculative_tokens
+    write_json(path, config)

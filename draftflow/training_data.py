@@ -1,0 +1,62 @@
+"""Held-out split and the directory layout speculators' trainer reads.
+
+speculators' ``ArrowDataset`` reads a saved dataset and its hidden states as
+``<dataset>/hidden_states/hs_{row}.safetensors``. A view is such a directory
+for a subset of samples: the selected rows, renumbered, with symlinks to the
+shard files, so no hidden state is copied.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from datasets import load_from_disk
+
+from draftflow.hidden_states import file_name, opens_cleanly
+from draftflow.io import atomic_path, read_json
+
+
+def is_heldout(sample_id: str, fraction: float, seed: int) -> bool:
+    """Stable per-sample split: depends on the id and seed only."""
+    digest = hashlib.sha256(f"heldout:{seed}:{sample_id}".encode()).hexdigest()
+    return int(digest[:12], 16) / 16**12 < fraction
+
+
+def hidden_state_files(manifest_paths: list[str]) -> dict[int, Path]:
+    """Dataset row → its file, from the shard manifests."""
+    files = {}
+    for manifest_path in manifest_paths:
+        base = Path(manifest_path).parent
+        for entry in read_json(manifest_path)["files"]:
+            files[entry["index"]] = base / entry["file"]
+    return files
+
+
+def build_view(
+    dataset_dir: Path, files: dict[int, Path], rows: list[int], view_dir: Path
+) -> None:
+    """Save ``rows`` of the dataset to ``view_dir`` with symlinked hidden states."""
+    dataset = load_from_disk(str(dataset_dir)).select(rows)
+    with atomic_path(view_dir) as tmp:
+        dataset.save_to_disk(str(tmp))
+        links = tmp / "hidden_states"
+        links.mkdir()
+        final_links = (view_dir / "hidden_states").resolve()
+        for position, row in enumerate(rows):
+            source = files[row]
+            if not opens_cleanly(source):
+                raise ValueError(
+                    f"{source} (sample {dataset[position]['sample_id']}) is corrupt. "
+                    "Delete it and rerun: extraction redoes missing files."
+                )
+            (links / file_name(position)).symlink_to(os.path.relpath(source.resolve(), final_links))
+
+
+def split_rows(dataset_dir: Path, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train rows, held-out rows) of the prepared dataset."""
+    sample_ids = load_from_disk(str(dataset_dir)).with_format(None)["sample_id"]
+    heldout = [i for i, s in enumerate(sample_ids) if is_heldout(s, fraction, seed)]
+    train = [i for i, s in enumerate(sample_ids) if not is_heldout(s, fraction, seed)]
+    return train, heldout

@@ -1,0 +1,48 @@
+localrules:
+    report,
+
+
+rule report:
+    input:
+        benchmarks=[
+            benchmark_path(stage)
+            for stage in (
+                "prompts",
+                "generate",
+                "prepare",
+                "vocab_map",
+                "extract_plan",
+                "extract",
+                "fidelity",
+                "drafter_init",
+                "train_views",
+                "train",
+                "evaluate",
+            )
+        ]
+        + expand(
+            benchmark_path("extract_shard-{shard}"),
+            shard=range(config["extract"]["shards"]),
+        ),
+        prompts=rules.prompts.output.stats,
+        generate=rules.generate.output.stats,
+        prepare=rules.prepare.output.stats,
+        coverage=rules.vocab_map.output.coverage,
+        extract=rules.extract.output.summary,
+        fidelity=rules.fidelity.output.report,
+        train=rules.train.output.stats,
+        evaluation=rules.evaluate.output.evaluation,
+    output:
+        runtimes=result("report/stage_runtimes.tsv"),
+        plot=report(result("report/stage_runtimes.png"), category="Runtime"),
+        markdown=report(result("report/report.md"), category="Summary"),
+    log:
+        log_path("report"),
+    benchmark:
+        benchmark_path("report")
+    conda:
+        CONDA_ENV
+    params:
+        run=RUN,
+    script:
+        "../scripts/report.py"

@@ -1,0 +1,65 @@
+localrules:
+    train_views,
+
+
+rule drafter_init:
+    input:
+        plan=rules.extract_plan.output.plan,
+        d2t=rules.vocab_map.output.d2t,
+        t2d=rules.vocab_map.output.t2d,
+        target=TARGET,
+    output:
+        drafter=directory(result("drafter_untrained")),
+    log:
+        log_path("drafter_init"),
+    benchmark:
+        benchmark_path("drafter_init")
+    conda:
+        CONDA_ENV
+    params:
+        settings=train_settings(),
+    script:
+        "../scripts/drafter_init.py"
+
+
+rule train_views:
+    input:
+        dataset=rules.prepare.output.dataset,
+        manifests=rules.extract.input.manifests,
+    output:
+        train=directory(result("training_data/train")),
+        heldout=directory(result("training_data/heldout")),
+        split=result("training_data/split.json"),
+    log:
+        log_path("train_views"),
+    benchmark:
+        benchmark_path("train_views")
+    conda:
+        CONDA_ENV
+    params:
+        heldout_fraction=config["train"]["heldout_fraction"],
+        seed=config["seed"],
+    script:
+        "../scripts/train_views.py"
+
+
+rule train:
+    input:
+        init=rules.drafter_init.output.drafter,
+        train=rules.train_views.output.train,
+    output:
+        drafter=directory(result("drafter")),
+        stats=result("train/stats.json"),
+    log:
+        log_path("train"),
+    benchmark:
+        benchmark_path("train")
+    conda:
+        CONDA_ENV
+    resources:
+        gpu=config["train"]["gpus"] if config["device"] == "cuda" else 0,
+    params:
+        settings=train_settings(),
+        work_dir=result("train/work"),
+    script:
+        "../scripts/train.py"

@@ -1,0 +1,37 @@
+from pathlib import Path
+
+from datasets import load_from_disk
+
+from draftflow.evaluate import TargetHead, check_layer_ids, evaluate, plot_acceptance
+from draftflow.io import read_json, write_json
+from draftflow.rule_log import logged
+from draftflow.train import load_drafter
+
+params = snakemake.params
+with logged(snakemake.log[0]):
+    layer_ids = read_json(snakemake.input.plan)["layer_ids"]
+    heldout = Path(snakemake.input.heldout)
+    rows = load_from_disk(str(heldout)).with_format(None)
+    samples = [
+        (row, ids, mask)
+        for row, (ids, mask) in enumerate(zip(rows["input_ids"], rows["loss_mask"], strict=True))
+    ]
+    head = TargetHead(Path(snakemake.input.target))
+    results = {"draft_tokens": params.draft_tokens, "heldout_samples": len(samples)}
+    for name, drafter_dir in (("trained", snakemake.input.drafter), ("untrained", snakemake.input.init)):
+        check_layer_ids(read_json(Path(drafter_dir) / "config.json"), layer_ids, Path(drafter_dir))
+        drafter = load_drafter(Path(drafter_dir), params.attention)
+        results[name] = evaluate(drafter, head, heldout, samples, params.draft_tokens)
+        print(name, results[name])
+    trained = results["trained"]["mean_acceptance_length"]
+    results["gate"] = {"min_acceptance_length": params.min_acceptance_length, "passed": trained >= params.min_acceptance_length}
+    write_json(snakemake.output.evaluation, results)
+    plot_acceptance(results, Path(snakemake.output.plot))
+    if not results["gate"]["passed"]:
+        raise SystemExit(
+            f"Evaluation gate failed: mean acceptance length {trained:.3f} < "
+            f"evaluate.min_acceptance_length {params.min_acceptance_length} "
+            f"(untrained floor {results['untrained']['mean_acceptance_length']:.3f}; per position "
+            f"{[round(a, 3) for a in results['trained']['acceptance_per_position']]}). "
+            "Train longer or on more samples, or check the extraction's fidelity report."
+        )
