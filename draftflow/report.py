@@ -121,7 +121,10 @@ def markdown(run: str, rows: list[dict], stats: dict) -> str:
     ]
     for name in ("trained", "untrained"):
         per_position = " | ".join(f"{100 * a:.1f}%" for a in evaluation[name]["acceptance_per_position"])
-        lines.append(f"| {name} | {evaluation[name]['mean_acceptance_length']:.3f} | {per_position} |")
+        lines.append(f"| {name} (offline) | {evaluation[name]['mean_acceptance_length']:.3f} | {per_position} |")
+    if served := stats.get("served"):
+        per_position = " | ".join(f"{100 * a:.1f}%" for a in served["acceptance_per_position"])
+        lines.append(f"| trained, served by vLLM | {served['mean_acceptance_length']:.3f} | {per_position} |")
     gate = evaluation["gate"]
     lines += ["", f"Gate: mean acceptance length ≥ {gate['min_acceptance_length']}: {'passed' if gate['passed'] else 'FAILED'}.", "", "![acceptance](../evaluation/acceptance.png)", ""]
     return "\n".join(lines)

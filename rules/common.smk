@@ -7,6 +7,7 @@ from draftflow.vllm_server import server_env, target_server_args
 RUN = config["run"]
 TARGET = config["target"]["path"]
 CONDA_ENV = "../envs/draftflow.yaml"
+SERVE_CHECK = config["evaluate"]["serve_check"]
 
 
 def result(path):

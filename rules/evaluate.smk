@@ -20,3 +20,28 @@ rule evaluate:
         attention=config["train"]["attention"],
     script:
         "../scripts/evaluate.py"
+
+
+rule serve_check:
+    input:
+        drafter=rules.train.output.drafter,
+        heldout=rules.train_views.output.heldout,
+        target=TARGET,
+    output:
+        served=result("evaluation/served.json"),
+    log:
+        log=log_path("serve_check"),
+        server=log_path("serve_check", "server.log"),
+    benchmark:
+        benchmark_path("serve_check")
+    conda:
+        CONDA_ENV
+    resources:
+        gpu=gpus_per_server(),
+    params:
+        draft_tokens=config["evaluate"]["draft_tokens"],
+        max_tokens=config["generate"]["max_tokens"],
+        max_requests=config["evaluate"]["serve_check_requests"],
+        server=vllm_server_params(),
+    script:
+        "../scripts/serve_check.py"

@@ -12,6 +12,15 @@ rule report:
                 "prepare",
                 "vocab_map",
                 "extract_plan",
+            )
+        ]
+        + expand(
+            benchmark_path("extract_shard-{shard}"),
+            shard=range(config["extract"]["shards"]),
+        )
+        + [
+            benchmark_path(stage)
+            for stage in (
                 "extract",
                 "fidelity",
                 "drafter_init",
@@ -20,10 +29,7 @@ rule report:
                 "evaluate",
             )
         ]
-        + expand(
-            benchmark_path("extract_shard-{shard}"),
-            shard=range(config["extract"]["shards"]),
-        ),
+        + ([benchmark_path("serve_check")] if SERVE_CHECK else []),
         prompts=rules.prompts.output.stats,
         generate=rules.generate.output.stats,
         prepare=rules.prepare.output.stats,
@@ -32,6 +38,7 @@ rule report:
         fidelity=rules.fidelity.output.report,
         train=rules.train.output.stats,
         evaluation=rules.evaluate.output.evaluation,
+        served=rules.serve_check.output.served if SERVE_CHECK else [],
     output:
         runtimes=result("report/stage_runtimes.tsv"),
         plot=report(result("report/stage_runtimes.png"), category="Runtime"),

@@ -17,7 +17,11 @@ rule drafter_init:
     conda:
         CONDA_ENV
     params:
-        settings=train_settings(),
+        drafter_shape={
+            "num_layers": config["train"]["num_layers"],
+            "attention": config["train"]["attention"],
+            "seed": config["seed"],
+        },
     script:
         "../scripts/drafter_init.py"
 

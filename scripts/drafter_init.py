@@ -12,7 +12,7 @@ with logged(snakemake.log[0]):
         aux_layer_ids,
         Path(snakemake.input.d2t),
         Path(snakemake.input.t2d),
-        DrafterShape(**snakemake.params.shape),
+        DrafterShape(**snakemake.params.drafter_shape),
         output,
     )
     finalize_config(output, snakemake.input.target, aux_layer_ids)

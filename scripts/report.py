@@ -8,6 +8,6 @@ with logged(snakemake.log[0]):
     build_report(
         snakemake.params.run,
         [Path(p) for p in inputs.benchmarks],
-        {name: Path(inputs[name]) for name in ("prompts", "generate", "prepare", "coverage", "extract", "fidelity", "train", "evaluation")},
+        {name: Path(path) for name, path in inputs.items() if name != "benchmarks" and path},
         {name: Path(snakemake.output[name]) for name in ("runtimes", "plot", "markdown")},
     )
