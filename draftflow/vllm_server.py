@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -17,6 +18,12 @@ from pathlib import Path
 
 class ServerStartError(RuntimeError):
     """The server exited or never became healthy; the message holds its log tail."""
+
+
+def die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the rule's process dies, even by SIGKILL."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port(host: str) -> int:
@@ -86,6 +93,7 @@ def vllm_server(
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_system_exit)
     try:

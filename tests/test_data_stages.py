@@ -87,4 +87,4 @@ def test_vocab_map_is_consistent(demo_run, tokenizer):
 def test_schema_rejects_bad_config_naming_the_key(tmp_path, overrides, message):
     process = snakemake(tmp_path, demo_config(**overrides), "-n", check=False)
     assert process.returncode != 0
-    assert message in process.stderr
+    assert message in process.stdout + process.stderr

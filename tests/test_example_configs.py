@@ -1,0 +1,44 @@
+"""The real example configs dry-run, with bounded job counts."""
+
+import json
+import re
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, snakemake
+
+
+def job_counts(dry_run_output: str) -> dict[str, int]:
+    table = dry_run_output.split("Job stats:", 1)[1].split("\n\n", 1)[0]
+    return {name: int(count) for name, count in re.findall(r"^(\w+)\s+(\d+)$", table, flags=re.MULTILINE)}
+
+
+def example_config(name, tmp_path, num_layers):
+    """The example with its weights and prompt paths pointed at stand-ins."""
+    config = yaml.safe_load((REPO / "config/examples" / name).read_text())
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"num_hidden_layers": num_layers}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    config["target"]["path"] = str(target)
+    config["data"]["prompt_files"] = [str(prompts)]
+    return config
+
+
+@pytest.mark.parametrize(("name", "num_layers"), [("llama-8b-1gpu.yaml", 32), ("moe-1t-8gpu.yaml", 61)])
+def test_example_dry_runs_with_one_job_per_shard(tmp_path, name, num_layers):
+    config = example_config(name, tmp_path, num_layers)
+    counts = job_counts(snakemake(tmp_path, config, "-n").stdout)
+    assert counts["extract_shard"] == config["extract"]["shards"]
+    assert counts["total"] < config["extract"]["shards"] + 20
+
+
+def test_layer_ids_beyond_the_target_stop_the_run_at_parse_time(tmp_path):
+    config = example_config("llama-8b-1gpu.yaml", tmp_path, 32)
+    config["extract"] = {**config.get("extract", {}), "layer_ids": [2, 16, 40]}
+    process = snakemake(tmp_path, config, "-n", check=False)
+    assert process.returncode != 0
+    output = process.stdout + process.stderr
+    assert "extract.layer_ids [2, 16, 40]" in output and "0..31" in output

@@ -1,0 +1,104 @@
+"""Hidden-state extraction on the demo, through Snakemake and the vLLM CPU backend."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from speculators.train.data import ArrowDataset
+
+from draftflow.fingerprint import file_sha256
+from tests.conftest import REPO, SNAKEMAKE, demo_config, snakemake
+
+pytestmark = pytest.mark.slow
+
+
+def manifests(results):
+    return [json.loads(p.read_text()) for p in sorted((results / "hidden_states").glob("shard-*.json"))]
+
+
+def assert_manifests_match_files(results):
+    plan = json.loads((results / "hidden_states/plan.json").read_text())
+    listed = []
+    for manifest in manifests(results):
+        shard_dir = results / "hidden_states" / f"shard-{manifest['shard']}"
+        on_disk = sorted(p.name for p in shard_dir.glob("hs_*.safetensors"))
+        assert on_disk == sorted(entry["file"].split("/")[1] for entry in manifest["files"])
+        assert not list(shard_dir.glob(".*.tmp"))
+        for entry in manifest["files"]:
+            path = results / "hidden_states" / entry["file"]
+            assert path.stat().st_size == entry["bytes"]
+            assert file_sha256(path) == entry["sha256"]
+        listed += [entry["index"] for entry in manifest["files"]]
+    assert sorted(listed) == list(range(plan["samples"]))
+
+
+def test_shards_hold_every_sample_once_in_speculators_format(demo_run):
+    assert_manifests_match_files(demo_run)
+    manifest = manifests(demo_run)[0]
+    assert manifest["layer_ids"] == [2, 4, 5, 8]
+    assert manifest["backend"] == "vllm" and manifest["dtype"] == "float32"
+    entry = manifest["files"][0]
+    payload = load_file(demo_run / "hidden_states" / entry["file"])
+    assert payload["hidden_states"].shape == (entry["tokens"], 4, manifest["hidden_size"])
+    assert payload["token_ids"].dtype == torch.int64
+    plan = json.loads((demo_run / "hidden_states/plan.json").read_text())
+    actual = sum(m["bytes"] for m in manifests(demo_run))
+    assert 0 <= plan["bytes"] - actual <= 256 * plan["samples"]
+
+
+def test_backends_agree_on_the_demo(demo_run):
+    fidelity = json.loads((demo_run / "fidelity/fidelity.json").read_text())
+    assert fidelity["passed"]
+    assert max(fidelity["max_relative_error_per_layer"].values()) < 1e-5
+
+
+def test_training_view_loads_in_speculators_dataset(demo_run):
+    dataset = ArrowDataset(max_len=2048, datapath=str(demo_run / "training_data/train"), on_missing="raise", hidden_states_dtype=torch.float32)
+    sample = dataset[0]
+    hidden = json.loads((demo_run / "hidden_states/plan.json").read_text())["hidden_size"]
+    assert sample["hidden_states"].shape[1] == 3 * hidden
+    assert sample["verifier_last_hidden_states"].shape[1] == hidden
+    assert sample["loss_mask"].sum() > 0
+
+
+def test_killed_shard_resumes_without_losing_finished_files(workdir, demo_run):
+    """SIGKILL the workflow while shard 0 is extracting; the rerun finishes it."""
+    shard_dir = demo_run / "hidden_states/shard-0"
+    (demo_run / "hidden_states/shard-0.json").unlink()
+    for path in shard_dir.iterdir():
+        path.unlink()
+    config_path = workdir / "config-demo.yaml"
+    command = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+               "--configfile", str(config_path), "--cores", "1", "extract"]  # fmt: skip
+    process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    journal = shard_dir / "journal.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not journal.exists() or len(journal.read_text().splitlines()) < 12):
+        time.sleep(0.05)
+    done_before_kill = len(journal.read_text().splitlines()) - 1
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert 10 < done_before_kill < 120, "the kill did not land mid-shard"
+
+    rerun = snakemake(workdir, demo_config(), "extract", "--rerun-incomplete")
+    log = (workdir / "logs/demo/extract_shard-0.log").read_text()
+    resumed = int(log.rsplit("shard 0: ", 1)[1].split(" of ")[0])
+    assert resumed >= done_before_kill
+    assert "already on disk" in log and rerun.returncode == 0
+    assert_manifests_match_files(demo_run)
+    assert no_vllm_server_within(60), "a vLLM server outlived its killed job"
+
+
+def no_vllm_server_within(seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True)
+        if found.returncode == 1:
+            return True
+        time.sleep(1)
+    return False

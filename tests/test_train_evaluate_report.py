@@ -1,0 +1,71 @@
+"""The end of the chain on the demo: a servable drafter, its acceptance and the report."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+from speculators.models.eagle3 import Eagle3DraftModel
+
+from draftflow.evaluate import LayerIdMismatch, check_layer_ids
+from tests.conftest import demo_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_drafter_loads_and_matches_extraction_and_vocab(demo_run):
+    drafter_dir = demo_run / "drafter"
+    config = json.loads((drafter_dir / "config.json").read_text())
+    plan = json.loads((demo_run / "hidden_states/plan.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == plan["layer_ids"][:-1]
+    assert config["draft_vocab_size"] == demo_config()["vocab"]["draft_vocab_size"]
+    verifier = config["speculators_config"]["verifier"]["name_or_path"]
+    assert verifier.startswith("/") and verifier.endswith("resources/demo-target")
+    weights = load_file(drafter_dir / "model.safetensors")
+    np.testing.assert_array_equal(weights["d2t"].numpy(), np.load(demo_run / "vocab/d2t.npy"))
+    model = Eagle3DraftModel.from_pretrained(str(drafter_dir))
+    assert model.target_layer_ids == plan["layer_ids"][:-1]
+
+
+def test_trained_drafter_beats_the_untrained_floor_and_passes_the_gate(demo_run):
+    evaluation = json.loads((demo_run / "evaluation/evaluation.json").read_text())
+    trained, untrained = evaluation["trained"], evaluation["untrained"]
+    assert trained["mean_acceptance_length"] > untrained["mean_acceptance_length"] + 0.5
+    assert trained["acceptance_per_position"] == sorted(trained["acceptance_per_position"], reverse=True)
+    assert evaluation["gate"]["passed"]
+    assert trained["mean_acceptance_length"] >= demo_config()["evaluate"]["min_acceptance_length"]
+    assert evaluation["heldout_samples"] > 0
+
+
+def test_vllm_serves_the_drafter_and_counts_acceptance(demo_run):
+    served = json.loads((demo_run / "evaluation/served.json").read_text())
+    assert served["drafts"] > 0
+    assert 1.5 < served["mean_acceptance_length"] <= 1 + demo_config()["evaluate"]["draft_tokens"]
+
+
+def test_heldout_samples_never_reach_training(demo_run):
+    split = json.loads((demo_run / "training_data/split.json").read_text())
+    assert split["heldout_rows"] and not set(split["heldout_rows"]) & set(split["train_rows"])
+
+
+def test_report_covers_every_stage(demo_run):
+    with (demo_run / "report/stage_runtimes.tsv").open() as stream:
+        stages = {row["stage"]: row for row in csv.DictReader(stream, delimiter="\t")}
+    expected = {"prompts", "generate", "prepare", "vocab_map", "extract_plan", "extract_shard", "extract",
+                "fidelity", "drafter_init", "train_views", "train", "evaluate", "serve_check"}  # fmt: skip
+    assert set(stages) == expected
+    assert all(float(row["seconds"]) > 0 for row in stages.values())
+    assert stages["extract_shard"]["jobs"] == str(demo_config()["extract"]["shards"])
+    report = (demo_run / "report/report.md").read_text()
+    assert all(stage in report for stage in expected)
+    assert "served by vLLM" in report
+    assert (demo_run / "report/stage_runtimes.png").stat().st_size > 1000
+
+
+def test_evaluate_rejects_a_drafter_trained_on_other_layers(demo_run):
+    config = json.loads((demo_run / "drafter/config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]
+    with pytest.raises(LayerIdMismatch, match=r"\[1, 3, 5\].*\[2, 4, 5\]"):
+        check_layer_ids(config, [2, 4, 5, 8], demo_run / "drafter")
