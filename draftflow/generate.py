@@ -79,12 +79,19 @@ def finish(
     tokenizer_dir: str,
     settings: GenerationSettings,
     seconds: float,
+    endpoint: str,
     output: Path,
     errors_output: Path,
     stats_output: Path,
 ) -> dict:
-    """Write the rows sorted by id (completion order varies), errors and stats."""
+    """Write the rows sorted by id (completion order varies), errors and stats.
+
+    ``endpoint`` replaces the URL the client recorded in each row: a local
+    server's port is random and would make reruns differ.
+    """
     rows = sorted(iter_jsonl(partial), key=lambda row: row["id"])
+    for row in rows:
+        row["metadata"]["endpoint"] = endpoint
     if not rows:
         raise RuntimeError(
             f"No conversation was answered; see {errors_path(partial)} for why."

@@ -19,6 +19,7 @@ with logged(snakemake.log[0]):
         snakemake.input.target,
         settings,
         seconds,
+        endpoint=params.endpoint or "local vLLM server",
         output=Path(snakemake.output.samples),
         errors_output=Path(snakemake.output.errors),
         stats_output=Path(snakemake.output.stats),

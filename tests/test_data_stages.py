@@ -32,9 +32,8 @@ def test_generated_tokens_are_the_target_rendering_plus_its_answer(demo_run, tok
     assert len(rows) > 0.9 * len(conversations)
     for row in rows:
         prompt = tokenizer.apply_chat_template(
-            conversations[row["primary_id"]]["messages"], add_generation_prompt=True
+            conversations[row["primary_id"]]["messages"], add_generation_prompt=True, return_dict=False
         )
-        prompt = prompt["input_ids"] if isinstance(prompt, dict) else prompt
         assert row["input_ids"][: len(prompt)] == list(prompt)
         assert row["loss_mask"] == [0] * len(prompt) + [1] * (len(row["input_ids"]) - len(prompt))
         assert max(row["input_ids"]) < len(tokenizer)

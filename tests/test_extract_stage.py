@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 
 
 def manifests(results):
-    return [json.loads(p.read_text()) for p in sorted((results / "hidden_states").glob("shard-*.json"))]
+    shards = json.loads((results / "hidden_states/plan.json").read_text())["num_shards"]
+    return [json.loads((results / f"hidden_states/shard-{k}.json").read_text()) for k in range(shards)]
 
 
 def assert_manifests_match_files(results):
@@ -69,7 +70,8 @@ def test_training_view_loads_in_speculators_dataset(demo_run):
 def test_killed_shard_resumes_without_losing_finished_files(workdir, demo_run):
     """SIGKILL the workflow while shard 0 is extracting; the rerun finishes it."""
     shard_dir = demo_run / "hidden_states/shard-0"
-    (demo_run / "hidden_states/shard-0.json").unlink()
+    for output in ("shard-0.json", "manifest.json"):
+        (demo_run / "hidden_states" / output).unlink()
     for path in shard_dir.iterdir():
         path.unlink()
     config_path = workdir / "config-demo.yaml"
@@ -79,6 +81,7 @@ def test_killed_shard_resumes_without_losing_finished_files(workdir, demo_run):
     journal = shard_dir / "journal.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and (not journal.exists() or len(journal.read_text().splitlines()) < 12):
+        assert process.poll() is None, "snakemake ended before shard 0 started"
         time.sleep(0.05)
     done_before_kill = len(journal.read_text().splitlines()) - 1
     os.killpg(process.pid, signal.SIGKILL)

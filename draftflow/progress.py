@@ -1,0 +1,844 @@
+"""Progress check of stage 5: how far, how fast, when it ends, and whether it fits.
+
+Reads only what the extraction leaves under ``results/<run>/hidden_states/``:
+
+- ``plan.json``: every sample's token count (from the prepared dataset), per shard;
+- ``shard-<k>/journal.jsonl``: finished files; one counts as done only when
+  the journal lists it and its size on disk matches (what a rerun trusts);
+- the files: sizes, temp files in flight, and mtimes, which say when each
+  file was finished, so the recent rate needs no history of its own;
+- ``shard-<k>.heartbeat.json``: state, pid, when loading began and when the
+  model became ready (rates leave model loading out);
+- ``shard-<k>.json``: the manifest; a shard with one is done.
+
+Standard library (and PyYAML for ``--config``) only, so a check is fast:
+draftflow.hidden_states is not imported because it imports torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TextIO
+
+import yaml
+
+ON_TRACK, WILL_NOT_FIT, FAILED_SHARD, STALLED = 0, 3, 4, 5
+EXIT_CODES = {
+    ON_TRACK: "on track (or finished)",
+    WILL_NOT_FIT: "will not fit: the projection and the later stages exceed the free space",
+    FAILED_SHARD: "a shard failed (heartbeat says so, or its process is gone)",
+    STALLED: "stalled: no shard has advanced for --stall-after seconds",
+}
+SCHEMA = Path(__file__).resolve().parents[1] / "config/schema.yaml"
+LATER_OUTPUTS = {  # what each later output writes under results/<run>/
+    "untrained drafter": ("drafter_untrained",),
+    "drafter": ("drafter",),
+    "training checkpoints": ("train",),
+    "training views": ("training_data",),
+    "evaluation and report": ("evaluation", "report"),
+}
+REPORT_ALLOWANCE_BYTES = 5_000_000  # evaluation plots and JSON, the report and its charts
+STATES = ("running", "loading", "done", "not started", "failed")
+ACTIVE = ("loading", "running")
+TO_LOAD = ("not started", "failed", "loading")
+MTIME_SLACK_S = 0.05
+
+
+@dataclass(frozen=True)
+class Options:
+    window_s: float = 300.0
+    stall_after_s: float = 600.0
+    free_bytes: int | None = None  # instead of the measured free space
+    reserve_bytes: int | None = None  # what the later stages need, instead of --config's estimate
+    config: Path | None = None
+    check_pids: bool = True
+
+
+@dataclass(frozen=True)
+class DoneFile:
+    index: int
+    tokens: int
+    bytes: int
+    finished_at: float  # the file's mtime
+
+
+@dataclass
+class ShardScan:
+    """What one shard left on disk."""
+
+    shard: int
+    planned: dict[int, int]  # row index -> tokens
+    done: list[DoneFile]
+    in_flight_bytes: int
+    unjournaled_files: int
+    heartbeat: dict | None
+    has_manifest: bool
+
+
+@dataclass
+class ShardReport:
+    shard: int
+    state: str  # not started | loading | running | done | failed
+    samples_done: int
+    samples_total: int
+    tokens_done: int
+    tokens_total: int
+    bytes_done: int
+    bytes_in_flight: int
+    unjournaled_files: int
+    recent_tokens_per_s: float | None
+    pid: int | None
+    note: str
+
+
+@dataclass
+class Rates:
+    window_s: float
+    extracting_s: float  # wall time during which at least one shard's model was ready
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    recent_s: float  # extracting time the recent rates cover (at most window_s)
+    recent_samples_per_s: float | None
+    recent_tokens_per_s: float | None
+
+
+@dataclass
+class Eta:
+    seconds: float | None
+    extracting_s: float | None  # remaining tokens at the recent token rate
+    loading_s: float | None  # model loads still ahead, spread over the shards running side by side
+    pending_loads: int
+    ends_at: float | None
+
+
+@dataclass
+class Size:
+    bytes_done: int
+    bytes_per_token: float | None  # measured: bytes of done files / their tokens
+    data_bytes_per_token: float | None  # measured from a file's safetensors header
+    header_bytes_per_file: float | None  # measured mean overhead of done files
+    projected_exact: int  # done bytes + every remaining sample's own size
+    projected_linear: int | None  # bytes so far / samples so far * total samples
+    plan_bound: int  # plan.json: the same sum with a 256-byte header bound per file
+
+
+@dataclass
+class Disk:
+    path: str
+    free: int
+    free_source: str
+    extraction_left: int
+    later_stages: int
+    later_stages_source: str
+    later_stages_detail: dict[str, dict[str, int]]
+    headroom: int
+    fits: bool
+
+
+@dataclass
+class Stall:
+    last_advance_at: float | None
+    seconds_since: float | None
+    stall_after_s: float
+    stalled: bool
+
+
+@dataclass
+class Report:
+    hidden_states: str
+    checked_at: float
+    complete: bool
+    samples_done: int
+    samples_total: int
+    tokens_done: int
+    tokens_total: int
+    shard_states: dict[str, int]
+    shards: list[ShardReport]
+    rates: Rates
+    eta: Eta
+    size: Size
+    disk: Disk
+    stall: Stall
+    problems: list[str]
+    exit_code: int
+
+
+# -- reading the run directory ------------------------------------------------
+
+
+def hidden_states_dir(path: Path) -> Path:
+    """Accept ``results/<run>`` or ``results/<run>/hidden_states``."""
+    return path if (path / "plan.json").exists() else path / "hidden_states"
+
+
+def file_name(index: int) -> str:
+    return f"hs_{index}.safetensors"  # as draftflow.hidden_states.file_name
+
+
+def read_json_or_none(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def journal_records(path: Path) -> dict[int, dict]:
+    """Records after the settings-key line; a line torn by a kill is skipped."""
+    try:
+        lines = path.read_text().splitlines()[1:]
+    except FileNotFoundError:
+        return {}
+    records = {}
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        records[record["index"]] = record
+    return records
+
+
+def directory_stats(directory: Path) -> dict[str, os.stat_result]:
+    if not directory.is_dir():
+        return {}
+    with os.scandir(directory) as entries:
+        return {entry.name: entry.stat() for entry in entries}
+
+
+def scan_shard(hs_dir: Path, shard_plan: dict) -> ShardScan:
+    shard = shard_plan["shard"]
+    shard_dir = hs_dir / f"shard-{shard}"
+    stats = directory_stats(shard_dir)
+    planned = dict(shard_plan["samples"])
+    done = [
+        DoneFile(index, record["tokens"], record["bytes"], stats[name].st_mtime)
+        for index, record in journal_records(shard_dir / "journal.jsonl").items()
+        if index in planned and (name := file_name(index)) in stats and stats[name].st_size == record["bytes"]
+    ]
+    written = {name for name in stats if name.startswith("hs_") and name.endswith(".safetensors")}
+    return ShardScan(
+        shard=shard,
+        planned=planned,
+        done=done,
+        in_flight_bytes=sum(st.st_size for name, st in stats.items() if name.endswith(".tmp")),
+        unjournaled_files=len(written - {file_name(f.index) for f in done}),
+        heartbeat=read_json_or_none(hs_dir / f"shard-{shard}.heartbeat.json"),
+        has_manifest=(hs_dir / f"shard-{shard}.json").exists(),
+    )
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def shard_state(scan: ShardScan, check_pids: bool) -> tuple[str, str]:
+    """(state, note). A shard whose heartbeat says loading/running but whose
+    process no longer exists on this machine was killed: it counts as failed."""
+    if scan.has_manifest:
+        return "done", ""
+    if scan.heartbeat is None:
+        return "not started", ""
+    status, pid = scan.heartbeat["status"], scan.heartbeat["pid"]
+    if status in ACTIVE and check_pids and not process_alive(pid):
+        return "failed", f"process {pid} is gone (heartbeat said {status})"
+    return status, ""
+
+
+# -- rates: extracting time is the union of the shards' [model ready, end] ----
+
+
+def this_attempt(scan: ShardScan) -> list[DoneFile]:
+    """Files finished since the current attempt's model became ready.
+
+    mtimes come from the kernel's coarse clock, a few ms behind time.time().
+    """
+    ready = (scan.heartbeat or {}).get("model_ready_at")
+    if ready is None:
+        return []
+    return [
+        replace(f, finished_at=max(f.finished_at, ready))
+        for f in scan.done
+        if f.finished_at >= ready - MTIME_SLACK_S
+    ]
+
+
+def extraction_span(scan: ShardScan, state: str, now: float) -> tuple[float, float] | None:
+    heartbeat = scan.heartbeat or {}
+    ready = heartbeat.get("model_ready_at")
+    if ready is None:
+        return None
+    if state == "running":
+        return ready, now
+    return ready, max([heartbeat["updated_at"], *(f.finished_at for f in scan.done)])
+
+
+def merged(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    union: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if union and start <= union[-1][1]:
+            union[-1] = (union[-1][0], max(union[-1][1], end))
+        else:
+            union.append((start, end))
+    return union
+
+
+def last_stretch(spans: list[tuple[float, float]], seconds: float) -> list[tuple[float, float]]:
+    """The last ``seconds`` of the union, walking back over gaps (model loads)."""
+    stretch = []
+    for start, end in reversed(spans):
+        if seconds <= 0:
+            break
+        stretch.insert(0, (max(start, end - seconds), end))
+        seconds -= end - stretch[0][0]
+    return stretch
+
+
+def length(spans: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in spans)
+
+
+def within(files: list[DoneFile], spans: list[tuple[float, float]]) -> list[DoneFile]:
+    starts = [start for start, _ in spans]
+    inside = []
+    for f in files:
+        k = bisect.bisect_right(starts, f.finished_at) - 1
+        if k >= 0 and f.finished_at <= spans[k][1]:
+            inside.append(f)
+    return inside
+
+
+def per_second(files: list[DoneFile], spans: list[tuple[float, float]]) -> tuple[float | None, float | None]:
+    """(samples/s, tokens/s) of the files finished within ``spans``."""
+    seconds = length(spans)
+    if seconds <= 0:
+        return None, None
+    inside = within(files, spans)
+    return len(inside) / seconds, sum(f.tokens for f in inside) / seconds
+
+
+def measure_rates(timed: list[tuple[tuple[float, float], list[DoneFile]]], window_s: float) -> Rates:
+    spans = merged(span for span, _ in timed)
+    files = [f for _, shard_files in timed for f in shard_files]
+    recent = last_stretch(spans, window_s)
+    return Rates(
+        window_s, length(spans), *per_second(files, spans), length(recent), *per_second(files, recent)
+    )
+
+
+def estimate_eta(
+    scans: list[ShardScan], states: list[str], remaining_tokens: int, rates: Rates, now: float
+) -> Eta:
+    """Remaining tokens at the recent token rate, plus the model loads still ahead.
+
+    Shards not started or failed each need a full load (the mean measured
+    ``model_ready_at - started_at``), a loading one the rest of it; loads of
+    shards that run side by side overlap, so the sum is divided by their number.
+    """
+    loads = [
+        h["model_ready_at"] - h["started_at"] for s in scans if (h := s.heartbeat) and h.get("model_ready_at")
+    ]
+    pending = sum(state in TO_LOAD for state in states)
+    if remaining_tokens == 0:
+        return Eta(0.0, 0.0, 0.0, 0, now)
+    if not rates.recent_tokens_per_s or not loads:
+        return Eta(None, None, None, pending, None)
+    mean_load = sum(loads) / len(loads)
+    load_left = sum(
+        load_still_ahead(s, state, mean_load, now) for s, state in zip(scans, states, strict=True)
+    )
+    loading = load_left / max(1, sum(state in ACTIVE for state in states))
+    extracting = remaining_tokens / rates.recent_tokens_per_s
+    return Eta(extracting + loading, extracting, loading, pending, now + extracting + loading)
+
+
+def load_still_ahead(scan: ShardScan, state: str, mean_load: float, now: float) -> float:
+    if state == "loading":
+        return max(0.0, mean_load - (now - scan.heartbeat["started_at"]))
+    return mean_load if state in TO_LOAD else 0.0
+
+
+# -- size: exact from each remaining sample's tokens, and the naive line ------
+
+
+def data_bytes_per_token(path: Path, tokens: int) -> float:
+    """Tensor bytes per token of one safetensors file (its size less the header)."""
+    with path.open("rb") as stream:
+        header = 8 + int.from_bytes(stream.read(8), "little")
+    return (path.stat().st_size - header) / tokens
+
+
+def project_size(hs_dir: Path, plan: dict, scans: list[ShardScan]) -> Size:
+    done = [f for s in scans for f in s.done]
+    done_bytes = sum(f.bytes for f in done)
+    if not done:
+        return Size(0, None, None, None, plan["bytes"], None, plan["bytes"])
+    sample = next(s for s in scans if s.done)
+    per_token = data_bytes_per_token(
+        hs_dir / f"shard-{sample.shard}" / file_name(sample.done[0].index), sample.done[0].tokens
+    )
+    done_tokens = sum(f.tokens for f in done)
+    header = (done_bytes - per_token * done_tokens) / len(done)
+    finished = {(s.shard, f.index) for s in scans for f in s.done}
+    remaining = [
+        tokens for s in scans for index, tokens in s.planned.items() if (s.shard, index) not in finished
+    ]
+    return Size(
+        bytes_done=done_bytes,
+        bytes_per_token=done_bytes / done_tokens,
+        data_bytes_per_token=per_token,
+        header_bytes_per_file=header,
+        projected_exact=round(done_bytes + per_token * sum(remaining) + header * len(remaining)),
+        projected_linear=round(done_bytes / len(done) * plan["samples"]),
+        plan_bound=plan["bytes"],
+    )
+
+
+# -- disk: free space against the rest of the extraction and the later stages -
+
+
+@functools.cache
+def schema() -> dict:
+    return yaml.safe_load(SCHEMA.read_text())
+
+
+def setting(config: dict, *keys: str):
+    """A config value, or the schema's default for it (the Snakefile fills the same)."""
+    node, value = schema(), config
+    for key in keys:
+        node = node["properties"][key]
+        value = value.get(key, {}) if isinstance(value, dict) else {}
+    return node["default"] if value == {} else value
+
+
+def drafter_parameters(target: dict, num_aux: int, draft_vocab: int, num_layers: int) -> tuple[int, int]:
+    """(saved, trained) parameters of speculators' EAGLE-3 drafter for this target.
+
+    Saved: the embedding (target vocab x hidden) and lm_head (draft vocab x
+    hidden), both taken from the target and frozen; fc with its input norm
+    (aux layers x hidden -> hidden); decoder layers with the target's shapes,
+    the first one reading [embedding, hidden] (2 x hidden) and holding the
+    hidden norm; the final norm. Trained: all but the embedding and lm_head.
+    """
+    hidden, intermediate = target["hidden_size"], target["intermediate_size"]
+    heads = target["num_attention_heads"]
+    kv_heads = target.get("num_key_value_heads") or heads
+    head_dim = target.get("head_dim") or hidden // heads
+
+    def layer(inputs: int) -> int:
+        attention = inputs * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
+        return attention + 3 * hidden * intermediate + 2 * hidden
+
+    first_layer = layer(2 * hidden) + hidden
+    trained = num_aux * hidden * (hidden + 1) + first_layer + (num_layers - 1) * layer(hidden) + hidden
+    return (target["vocab_size"] + draft_vocab) * hidden + trained, trained
+
+
+def target_config(config: dict) -> dict:
+    """The target's config.json (``target.path`` relative to the workflow directory, the cwd)."""
+    path = Path(config["target"]["path"]) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"--config: no target config at {path.resolve()}; run from the workflow directory or pass --reserve-bytes"
+        )
+    target = json.loads(path.read_text())
+    return target.get("text_config", target)
+
+
+def later_stage_estimate(config: dict, plan: dict, run_dir: Path) -> dict[str, int]:
+    """Bytes the stages after extraction write at their peak, per output (see LATER_OUTPUTS).
+
+    The untrained drafter is saved in bfloat16. The training state also holds
+    the target's lm_head and norm, and Adam's two moments of the trained
+    parameters. CPU (draftflow's loop): the drafter in float32 and one
+    training checkpoint, counted twice, as it is replaced by a new one
+    atomically. CUDA (speculators' Trainer): bfloat16 and a checkpoint per
+    epoch, all kept. Training views: rows of the prepared dataset (the hidden
+    states are links). Evaluation and report: a fixed allowance.
+    """
+    target = target_config(config)
+    draft_vocab = setting(config, "vocab", "draft_vocab_size")
+    saved, trained = drafter_parameters(
+        target, len(plan["layer_ids"]) - 1, draft_vocab, setting(config, "train", "num_layers")
+    )
+    in_training = saved + (draft_vocab + 1) * target["hidden_size"]
+    if setting(config, "device") == "cuda":
+        drafter = 2 * in_training
+        checkpoints = setting(config, "train", "epochs") * (2 * in_training + 4 * trained)
+    else:
+        drafter, checkpoints = 4 * saved, 2 * (4 * in_training + 8 * trained)
+    return {
+        "untrained drafter": 2 * saved,
+        "drafter": drafter,
+        "training checkpoints": checkpoints,
+        "training views": tree_bytes(run_dir / "prepared/dataset"),
+        "evaluation and report": REPORT_ALLOWANCE_BYTES,
+    }
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path``; links count as links, not as their targets."""
+    total = 0
+    for directory, _, names in os.walk(path):
+        total += sum(os.lstat(os.path.join(directory, name)).st_size for name in names)
+    return total
+
+
+def later_stages(options: Options, plan: dict, run_dir: Path) -> tuple[int, str, dict[str, dict[str, int]]]:
+    """(bytes the later stages still write, where the figure comes from, per output).
+
+    Per output, what is already written under results/<run>/ is subtracted
+    from the estimate, so a check after those stages ran asks for little.
+    """
+    if options.reserve_bytes is not None:
+        return options.reserve_bytes, "--reserve-bytes", {}
+    if options.config is None:
+        return 0, "not counted: pass --config or --reserve-bytes", {}
+    estimate = later_stage_estimate(yaml.safe_load(options.config.read_text()), plan, run_dir)
+    detail = {
+        output: {
+            "estimated": estimate[output],
+            "written": sum(tree_bytes(run_dir / name) for name in LATER_OUTPUTS[output]),
+        }
+        for output in estimate
+    }
+    needed = sum(max(0, d["estimated"] - d["written"]) for d in detail.values())
+    return needed, f"estimated from {options.config}", detail
+
+
+def check_disk(hs_dir: Path, size: Size, in_flight: int, options: Options, plan: dict) -> Disk:
+    measured = options.free_bytes is None
+    free = shutil.disk_usage(hs_dir).free if measured else options.free_bytes
+    extraction_left = max(0, size.projected_exact - size.bytes_done - in_flight)
+    later, source, detail = later_stages(options, plan, hs_dir.parent)
+    headroom = free - extraction_left - later
+    return Disk(
+        path=str(hs_dir),
+        free=free,
+        free_source="measured" if measured else "--free-bytes",
+        extraction_left=extraction_left,
+        later_stages=later,
+        later_stages_source=source,
+        later_stages_detail=detail,
+        headroom=headroom,
+        fits=headroom >= 0,
+    )
+
+
+# -- the check ----------------------------------------------------------------
+
+
+def last_advance(scans: list[ShardScan]) -> float | None:
+    times = [f.finished_at for s in scans for f in s.done]
+    for s in scans:
+        heartbeat = s.heartbeat or {}
+        times += [heartbeat[k] for k in ("started_at", "model_ready_at", "updated_at") if heartbeat.get(k)]
+    return max(times, default=None)
+
+
+def detect_stall(
+    scans: list[ShardScan], states: list[str], complete: bool, options: Options, now: float
+) -> Stall:
+    """Stalled: unfinished, no shard loading a model, and nothing new for ``stall_after_s``."""
+    last = last_advance(scans)
+    since = None if last is None else now - last
+    stalled = not complete and "loading" not in states and since is not None and since > options.stall_after_s
+    return Stall(last, since, options.stall_after_s, stalled)
+
+
+def shard_report(scan: ShardScan, state: str, note: str, window_s: float, now: float) -> ShardReport:
+    span = extraction_span(scan, state, now)
+    recent = per_second(this_attempt(scan), last_stretch([span], window_s))[1] if span else None
+    return ShardReport(
+        shard=scan.shard,
+        state=state,
+        samples_done=len(scan.done),
+        samples_total=len(scan.planned),
+        tokens_done=sum(f.tokens for f in scan.done),
+        tokens_total=sum(scan.planned.values()),
+        bytes_done=sum(f.bytes for f in scan.done),
+        bytes_in_flight=scan.in_flight_bytes,
+        unjournaled_files=scan.unjournaled_files,
+        recent_tokens_per_s=recent,
+        pid=(scan.heartbeat or {}).get("pid"),
+        note=note,
+    )
+
+
+def find_problems(shards: list[ShardReport], disk: Disk, stall: Stall) -> list[tuple[int, str]]:
+    """(exit code, message) of each problem; the lowest code is the exit code."""
+    problems = []
+    if not disk.fits:
+        short = f"{fmt_bytes(-disk.headroom)} short"
+        needs = f"hidden states still need {fmt_bytes(disk.extraction_left)}, later stages {fmt_bytes(disk.later_stages)}"
+        problems.append(
+            (WILL_NOT_FIT, f"will not fit: {needs}, but only {fmt_bytes(disk.free)} are free ({short})")
+        )
+    if failed := [str(s.shard) for s in shards if s.state == "failed"]:
+        problems.append(
+            (FAILED_SHARD, f"failed shard(s): {', '.join(failed)}; rerun snakemake, done files are kept")
+        )
+    if stall.stalled:
+        since = f"{fmt_duration(stall.seconds_since)} (--stall-after {stall.stall_after_s:g} s)"
+        problems.append((STALLED, f"stalled: no shard has advanced for {since}"))
+    return problems
+
+
+def check(run_dir: Path, options: Options = Options(), now: float | None = None) -> Report:
+    """Everything the report shows, for ``results/<run>`` (or its hidden_states/)."""
+    now = time.time() if now is None else now
+    hs_dir = hidden_states_dir(Path(run_dir))
+    plan = json.loads((hs_dir / "plan.json").read_text())
+    scans = [scan_shard(hs_dir, shard_plan) for shard_plan in plan["shards"]]
+    states, notes = zip(*(shard_state(s, options.check_pids) for s in scans), strict=True)
+    shards = [
+        shard_report(s, state, note, options.window_s, now)
+        for s, state, note in zip(scans, states, notes, strict=True)
+    ]
+    timed = [
+        (span, this_attempt(s))
+        for s, state in zip(scans, states, strict=True)
+        if (span := extraction_span(s, state, now))
+    ]
+    rates = measure_rates(timed, options.window_s)
+    tokens_done = sum(s.tokens_done for s in shards)
+    complete = all(state == "done" for state in states)
+    size = project_size(hs_dir, plan, scans)
+    disk = check_disk(hs_dir, size, sum(s.bytes_in_flight for s in shards), options, plan)
+    stall = detect_stall(scans, list(states), complete, options, now)
+    problems = find_problems(shards, disk, stall)
+    return Report(
+        hidden_states=str(hs_dir),
+        checked_at=now,
+        complete=complete,
+        samples_done=sum(s.samples_done for s in shards),
+        samples_total=plan["samples"],
+        tokens_done=tokens_done,
+        tokens_total=plan["tokens"],
+        shard_states={state: states.count(state) for state in STATES},
+        shards=shards,
+        rates=rates,
+        eta=estimate_eta(scans, list(states), plan["tokens"] - tokens_done, rates, now),
+        size=size,
+        disk=disk,
+        stall=stall,
+        problems=[message for _, message in problems],
+        exit_code=min((code for code, _ in problems), default=ON_TRACK),
+    )
+
+
+# -- output -------------------------------------------------------------------
+
+
+def fmt_bytes(n: float) -> str:
+    """Decimal units, as df -H and the plan's messages."""
+    if abs(n) < 1000:
+        return f"{n:.0f} B"
+    for unit in ("kB", "MB", "GB", "TB"):
+        n /= 1000
+        if abs(n) < 1000 or unit == "TB":
+            break
+    return f"{n:.2f} {unit}"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    if seconds < 60:
+        return f"{seconds:.2g}s" if seconds < 10 else f"{seconds:.0f}s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def fmt_rate(value: float | None, unit: str) -> str:
+    return "—" if value is None else f"{value:,.1f} {unit}"
+
+
+def percent(done: int, total: int) -> float:
+    return 100.0 * done / total if total else 100.0
+
+
+def table(header: list[str], rows: list[list[str]], left: set[int]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        cells = [
+            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    return [line(row) for row in [header, *rows]]
+
+
+def row(
+    label: str, state: str, samples: tuple[int, int], tokens: tuple[int, int], size: int,
+    rate: float | None, note: str,
+) -> list[str]:  # fmt: skip
+    return [
+        label, state, f"{samples[0]:,}/{samples[1]:,}", f"{tokens[0]:,}/{tokens[1]:,}",
+        f"{percent(*tokens):.1f}%", fmt_bytes(size), fmt_rate(rate, ""), note,
+    ]  # fmt: skip
+
+
+def shard_rows(report: Report) -> list[list[str]]:
+    rows = [
+        row(str(s.shard), s.state, (s.samples_done, s.samples_total), (s.tokens_done, s.tokens_total),
+            s.bytes_done, s.recent_tokens_per_s, s.note)
+        for s in report.shards
+    ]  # fmt: skip
+    total = row("total", "", (report.samples_done, report.samples_total), (report.tokens_done, report.tokens_total),
+                report.size.bytes_done, report.rates.recent_tokens_per_s, "")  # fmt: skip
+    return [*rows, total]
+
+
+def rate_line(r: Rates) -> str:
+    if r.tokens_per_s is None:
+        return "rate       — (no shard's model is ready yet)"
+    return (
+        f"rate       {fmt_rate(r.recent_tokens_per_s, 'tok/s')}, {fmt_rate(r.recent_samples_per_s, 'samples/s')} "
+        f"over the last {fmt_duration(r.recent_s)} of extraction; overall {fmt_rate(r.tokens_per_s, 'tok/s')}, "
+        f"{fmt_rate(r.samples_per_s, 'samples/s')} in {fmt_duration(r.extracting_s)} (model loading excluded)"
+    )
+
+
+def eta_line(report: Report) -> str:
+    e = report.eta
+    if report.complete:
+        return "ETA        finished"
+    if report.rates.tokens_per_s is None:
+        return "ETA        unknown until a shard's model is ready and files finish"
+    if e.seconds is None:
+        return f"ETA        unknown: no file finished in the last {fmt_duration(report.rates.window_s)} of extraction"
+    ends = time.strftime("%a %H:%M", time.localtime(e.ends_at))
+    return (
+        f"ETA        {fmt_duration(e.seconds)}, ends ~{ends}: {report.tokens_total - report.tokens_done:,} tokens left "
+        f"at the recent rate take {fmt_duration(e.extracting_s)}, {e.pending_loads} model load(s) ahead "
+        f"{fmt_duration(e.loading_s)}"
+    )
+
+
+def size_line(report: Report) -> str:
+    z = report.size
+    if z.projected_linear is None:
+        return f"size       projected total {fmt_bytes(z.projected_exact)} (plan.json, header bound); no file done yet"
+    return (
+        f"size       {z.bytes_per_token:,.1f} B/token measured; projected total {fmt_bytes(z.projected_exact)} exact "
+        f"(each remaining sample's tokens), {fmt_bytes(z.projected_linear)} linear (bytes per sample so far "
+        f"x {report.samples_total:,}: {z.projected_linear / z.projected_exact - 1:+.1%})"
+    )
+
+
+def disk_line(d: Disk) -> str:
+    return (
+        f"disk       {fmt_bytes(d.free)} free{'' if d.free_source == 'measured' else ' (--free-bytes)'}; "
+        f"hidden states still need {fmt_bytes(d.extraction_left)}, later stages {fmt_bytes(d.later_stages)} "
+        f"({d.later_stages_source}); headroom {fmt_bytes(d.headroom)}"
+    )
+
+
+STATUS = {WILL_NOT_FIT: "WILL NOT FIT", FAILED_SHARD: "FAILED SHARD", STALLED: "STALLED"}
+
+
+def summary_lines(report: Report) -> list[str]:
+    states = ", ".join(f"{n} {state}" for state, n in report.shard_states.items() if n)
+    status = STATUS.get(report.exit_code, "FINISHED" if report.complete else "ON TRACK")
+    return [
+        f"shards     {states}",
+        rate_line(report.rates),
+        eta_line(report),
+        size_line(report),
+        disk_line(report.disk),
+        *(f"WARNING    {message}" for message in report.problems),
+        f"status     {status} (exit {report.exit_code})",
+    ]
+
+
+def render_table(report: Report) -> str:
+    header = ["shard", "state", "samples", "tokens", "done", "size", "recent tok/s", "note"]
+    checked = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.checked_at))
+    lines = [f"{report.hidden_states}  (checked {checked})", ""]
+    lines += table(header, shard_rows(report), left={1, 7})
+    return "\n".join([*lines, "", *summary_lines(report)]) + "\n"
+
+
+BLOCKS = " ▏▎▍▌▋▊▉█"
+
+
+def bar(fraction: float, width: int = 30) -> str:
+    eighths = round(max(0.0, min(1.0, fraction)) * width * 8)
+    full, part = divmod(eighths, 8)
+    return ("█" * full + (BLOCKS[part] if part else "")).ljust(width)
+
+
+def bar_line(
+    label: str, tokens: tuple[int, int], samples: tuple[int, int], state: str, rate: float | None
+) -> str:
+    """A tqdm-like line; the bar fills with tokens, which is what the time goes to."""
+    fraction = tokens[0] / tokens[1] if tokens[1] else 1.0
+    count = f"{samples[0]:,}/{samples[1]:,}"
+    return f"{label:>9} |{bar(fraction)}| {fraction:6.1%} {count:>13} samples  {state:<11} {fmt_rate(rate, 'tok/s')}"
+
+
+def render_bars(report: Report) -> str:
+    lines = [f"{report.hidden_states}  {time.strftime('%H:%M:%S', time.localtime(report.checked_at))}", ""]
+    lines += [
+        bar_line(f"shard {s.shard}", (s.tokens_done, s.tokens_total), (s.samples_done, s.samples_total),
+                 s.state, s.recent_tokens_per_s)
+        for s in report.shards
+    ]  # fmt: skip
+    lines.append(bar_line("total", (report.tokens_done, report.tokens_total),
+                          (report.samples_done, report.samples_total), "", report.rates.recent_tokens_per_s))  # fmt: skip
+    return "\n".join([*lines, "", *summary_lines(report)]) + "\n"
+
+
+def render_json(report: Report) -> str:
+    return json.dumps(asdict(report), indent=2) + "\n"
+
+
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+
+
+def watch(run_dir: Path, options: Options, interval_s: float, out: TextIO = sys.stdout) -> int:
+    """Redraw the bars every ``interval_s`` until every shard is done (or Ctrl-C)."""
+    report = check(run_dir, options)
+    clear = CLEAR_SCREEN if out.isatty() else "\n"
+    try:
+        while True:
+            out.write(clear + render_bars(report))
+            out.flush()
+            if report.complete:
+                break
+            time.sleep(interval_s)
+            report = check(run_dir, options)
+    except KeyboardInterrupt:
+        pass
+    return report.exit_code
+
+
+SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``123``, ``500G``, ``1.5TB`` (decimal) or ``2TiB`` (binary)."""
+    match = SIZE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (examples: 123456, 500G, 1.5TB, 2TiB)")
+    number, prefix, binary = match.groups()
+    base = 1024 if binary else 1000
+    return round(float(number) * base ** "_kmgtp".index(prefix.lower() or "_"))
