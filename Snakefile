@@ -23,9 +23,11 @@ include: "rules/extract.smk"
 include: "rules/train.smk"
 include: "rules/evaluate.smk"
 include: "rules/report.smk"
+include: "rules/provenance.smk"
 
 
 rule all:
     default_target: True
     input:
         rules.report.output,
+        rules.provenance.output,

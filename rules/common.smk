@@ -1,6 +1,7 @@
 import json
 from pathlib import Path
 
+from draftflow.provenance import code_version as draftflow_code_version
 from draftflow.layers import resolve_layer_ids
 from draftflow.vllm_server import server_env, target_server_args
 
@@ -8,6 +9,11 @@ RUN = config["run"]
 TARGET = config["target"]["path"]
 CONDA_ENV = "../envs/draftflow.yaml"
 SERVE_CHECK = config["evaluate"]["serve_check"]
+
+
+def code_version(script):
+    """Hash of the draftflow code a rule's script runs (a param, so edits rerun it)."""
+    return draftflow_code_version(Path(workflow.basedir) / "scripts" / f"{script}.py")
 
 
 def result(path):

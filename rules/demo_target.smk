@@ -9,6 +9,7 @@ rule demo_target:
     conda:
         CONDA_ENV
     params:
+        code=code_version("demo_target"),
         seed=0,
         prompt_count=300,
     script:

@@ -15,6 +15,7 @@ rule evaluate:
     conda:
         CONDA_ENV
     params:
+        code=code_version("evaluate"),
         draft_tokens=config["evaluate"]["draft_tokens"],
         min_acceptance_length=config["evaluate"]["min_acceptance_length"],
         attention=config["train"]["attention"],
@@ -39,6 +40,7 @@ rule serve_check:
     resources:
         gpu=gpus_per_server(),
     params:
+        code=code_version("serve_check"),
         draft_tokens=config["evaluate"]["draft_tokens"],
         max_tokens=config["generate"]["max_tokens"],
         max_requests=config["evaluate"]["serve_check_requests"],

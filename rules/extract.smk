@@ -19,6 +19,7 @@ rule extract_plan:
     conda:
         CONDA_ENV
     params:
+        code=code_version("extract_plan"),
         output_dir=lambda wildcards, output: Path(output[0]).parent,
         shards=config["extract"]["shards"],
         layer_ids=config["extract"]["layer_ids"],
@@ -46,6 +47,7 @@ rule extract_shard:
     resources:
         gpu=gpus_per_server(),
     params:
+        code=code_version("extract_shard"),
         output_dir=lambda wildcards, output: Path(output[0]).parent,
         backend=config["extract"]["backend"],
         backend_options=extract_backend_options(),
@@ -61,12 +63,16 @@ rule extract:
         ),
     output:
         summary=f"{HIDDEN_STATES}/manifest.json",
+        progress=f"{HIDDEN_STATES}/progress.txt",
+        progress_json=f"{HIDDEN_STATES}/progress.json",
     log:
         log_path("extract"),
     benchmark:
         benchmark_path("extract")
     conda:
         CONDA_ENV
+    params:
+        code=code_version("extract_gather"),
     script:
         "../scripts/extract_gather.py"
 
@@ -88,6 +94,7 @@ rule fidelity:
     resources:
         gpu=gpus_per_server(),
     params:
+        code=code_version("fidelity"),
         samples=config["extract"]["fidelity_samples"],
         tolerance=config["extract"]["fidelity_tolerance"][config["target"]["dtype"]],
         backend_options=extract_backend_options(),

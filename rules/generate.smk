@@ -16,6 +16,7 @@ rule generate:
     resources:
         gpu=gpus_per_server(),
     params:
+        code=code_version("generate"),
         endpoint=config["generate"]["endpoint"],
         work_dir=result("synthetic/work"),
         server=vllm_server_params(generation_server_args()),

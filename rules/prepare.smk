@@ -13,6 +13,7 @@ rule prepare:
     conda:
         CONDA_ENV
     params:
+        code=code_version("prepare"),
         max_seq_length=config["prepare"]["max_seq_length"],
         minimum_valid_tokens=config["prepare"]["minimum_valid_tokens"],
     script:

@@ -11,6 +11,7 @@ rule prompts:
     conda:
         CONDA_ENV
     params:
+        code=code_version("prompts"),
         num_samples=config["data"]["num_samples"],
         seed=config["seed"],
         on_bad_row=config["data"]["on_bad_row"],

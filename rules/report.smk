@@ -50,6 +50,7 @@ rule report:
     conda:
         CONDA_ENV
     params:
+        code=code_version("report"),
         run=RUN,
     script:
         "../scripts/report.py"

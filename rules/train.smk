@@ -17,6 +17,7 @@ rule drafter_init:
     conda:
         CONDA_ENV
     params:
+        code=code_version("drafter_init"),
         drafter_shape={
             "num_layers": config["train"]["num_layers"],
             "attention": config["train"]["attention"],
@@ -41,6 +42,7 @@ rule train_views:
     conda:
         CONDA_ENV
     params:
+        code=code_version("train_views"),
         heldout_fraction=config["train"]["heldout_fraction"],
         seed=config["seed"],
     script:
@@ -63,6 +65,7 @@ rule train:
     resources:
         gpu=config["train"]["gpus"] if config["device"] == "cuda" else 0,
     params:
+        code=code_version("train"),
         settings=train_settings(),
         work_dir=result("train/work"),
     script:

@@ -14,6 +14,7 @@ rule vocab_map:
     conda:
         CONDA_ENV
     params:
+        code=code_version("vocab_map"),
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
         coverage_sizes=config["vocab"]["coverage_sizes"],
     script:

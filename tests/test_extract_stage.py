@@ -88,6 +88,7 @@ def test_killed_shard_resumes_without_losing_finished_files(workdir, demo_run):
     process.wait()
     assert 10 < done_before_kill < 120, "the kill did not land mid-shard"
 
+    snakemake(workdir, demo_config(), "--unlock")  # a killed Snakemake leaves its lock
     rerun = snakemake(workdir, demo_config(), "extract", "--rerun-incomplete")
     log = (workdir / "logs/demo/extract_shard-0.log").read_text()
     resumed = int(log.rsplit("shard 0: ", 1)[1].split(" of ")[0])

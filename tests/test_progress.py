@@ -201,10 +201,8 @@ def test_exact_projection_equals_the_final_size_and_the_linear_one_stands_beside
     remaining = stopped.samples_total - stopped.samples_done
     assert abs(stopped.size.projected_exact - final) <= HEADER_BYTES_MAX * remaining
     assert stopped.size.projected_linear != stopped.size.projected_exact
-    text = render_table(stopped)
-    assert (
-        f"exact (each remaining sample's tokens), {fmt_bytes(stopped.size.projected_linear)} linear" in text
-    )
+    linear = fmt_bytes(stopped.size.projected_linear)
+    assert f"exact (each remaining sample's tokens), {linear} linear" in render_table(stopped)
 
     after = check(finished.hs_dir)
     assert after.complete and after.exit_code == ON_TRACK and after.eta.seconds == 0
@@ -225,9 +223,8 @@ def test_uneven_lengths_exact_projection_within_1_percent_at_15_percent(tiny_tar
     size = early["report"].size
     assert early["report"].samples_done == 9
     assert abs(size.projected_exact / final - 1) < 0.01
-    assert (
-        abs(size.projected_linear / final - 1) > 0.5
-    )  # the longest samples go first (length-sorted batches)
+    # the transformers backend batches by length, longest first: the linear projection overshoots
+    assert size.projected_linear / final - 1 > 0.5
 
 
 def test_will_not_fit_exit_code_and_message_through_the_cli(partial):
@@ -245,11 +242,8 @@ def test_will_not_fit_exit_code_and_message_through_the_cli(partial):
     assert "status     WILL NOT FIT (exit 3)" in tight.stdout
     roomy = progress("--free-bytes", "1TB", "--reserve-bytes", "1M", "--json")
     report = json.loads(roomy.stdout)
-    assert (
-        roomy.returncode == FAILED_SHARD
-        and report["disk"]["fits"]
-        and report["disk"]["headroom"] == 10**12 - left - 10**6
-    )
+    assert roomy.returncode == FAILED_SHARD and report["disk"]["fits"]
+    assert report["disk"]["headroom"] == 10**12 - left - 10**6
     assert parse_size("1.5TB") == 1_500_000_000_000 and parse_size("2GiB") == 2 * 1024**3
     assert progress("--free-bytes", "lots").returncode == 2
 
@@ -276,5 +270,11 @@ def test_later_stage_estimate_counts_the_demo_drafter(tmp_path):
         f"run: demo\ndevice: cpu\ntarget: {{path: {tmp_path / 'target'}}}\nvocab: {{draft_vocab_size: 128}}\n"
     )
     disk = check(run_dir, Options(config=config, free_bytes=10**9)).disk
-    assert disk.later_stages_detail["drafter"]["estimated"] == 4 * 721_792
+    assert disk.later_stages_detail["drafter"]["estimated"] == 4 * 721_792  # float32 on the CPU
     assert disk.later_stages == sum(d["estimated"] for d in disk.later_stages_detail.values())
+    (run_dir / "drafter").mkdir()
+    (run_dir / "drafter/model.safetensors").write_bytes(bytes(10**6))  # written already: needed no more
+    assert (
+        check(run_dir, Options(config=config, free_bytes=10**9)).disk.later_stages
+        == disk.later_stages - 10**6
+    )

@@ -1,0 +1,41 @@
+PROVENANCE_STAGES = [
+    "prompts",
+    "generate",
+    "prepare",
+    "vocab_map",
+    "extract_plan",
+    "extract_shard",
+    "extract",
+    "fidelity",
+    "drafter_init",
+    "train_views",
+    "train",
+    "evaluate",
+]
+
+
+localrules:
+    provenance,
+
+
+rule provenance:
+    input:
+        rules.report.output,
+        [getattr(rules, stage).input for stage in PROVENANCE_STAGES],
+        target=TARGET,
+    output:
+        provenance=result("provenance.json"),
+    log:
+        log_path("provenance"),
+    benchmark:
+        benchmark_path("provenance")
+    conda:
+        CONDA_ENV
+    params:
+        code=code_version("provenance"),
+        stage_inputs={
+            stage: [str(path) for path in getattr(rules, stage).input]
+            for stage in PROVENANCE_STAGES
+        },
+    script:
+        "../scripts/provenance.py"

@@ -1,0 +1,94 @@
+"""Partial rebuilds: an edit reruns exactly the stages that depend on it (README table)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from draftflow.extraction import remove_stale_shards
+from tests.conftest import REPO, demo_config, snakemake
+
+pytestmark = pytest.mark.slow
+
+FROM_GENERATE = {
+    "generate", "prepare", "vocab_map", "extract_plan", "extract_shard", "extract", "fidelity",
+    "drafter_init", "train_views", "train", "evaluate", "serve_check", "report", "provenance",
+}  # fmt: skip
+
+
+def planned_rules(workdir: Path, config: dict) -> set[str]:
+    """Rules in the `Job stats` table of `snakemake -n` (the `all` target left out)."""
+    output = snakemake(workdir, config, "-n").stdout
+    if "Nothing to be done" in output:
+        return set()
+    table = output.split("Job stats:", 1)[1].split("\n\n", 1)[0]
+    return {name for name, _ in re.findall(r"^(\w+)\s+(\d+)$", table, flags=re.MULTILINE)} - {"all", "total"}
+
+
+@pytest.fixture(scope="module")
+def settled(workdir, demo_run):
+    """The demo with every output up to date (tests before may have redone a shard)."""
+    snakemake(workdir, demo_config())
+    assert planned_rules(workdir, demo_config()) == set()
+    return workdir
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"train": {"lr": 0.001}}, {"train", "evaluate", "serve_check", "report", "provenance"}),
+        ({"train": {"epochs": 9}}, {"train", "evaluate", "serve_check", "report", "provenance"}),
+        ({"train": {"ttt_steps": 4}}, {"train", "evaluate", "serve_check", "report", "provenance"}),
+        (
+            {"vocab": {"draft_vocab_size": 64}},
+            {"vocab_map", "drafter_init", "train", "evaluate", "serve_check", "report", "provenance"},
+        ),
+        (
+            {"extract": {"layer_ids": [1, 3, 5]}},
+            {"extract_plan", "extract_shard", "extract", "fidelity", "drafter_init", "train_views",
+             "train", "evaluate", "serve_check", "report", "provenance"},
+        ),  # fmt: skip
+        ({"evaluate": {"min_acceptance_length": 1.5}}, {"evaluate", "report", "provenance"}),
+        ({"generate": {"temperature": 0.5}}, FROM_GENERATE),
+    ],
+    ids=["train.lr", "train.epochs", "train.ttt_steps", "vocab.draft_vocab_size",
+         "extract.layer_ids", "evaluate.min_acceptance_length", "generate.temperature"],  # fmt: skip
+)
+def test_config_edit_reruns_exactly_its_stages(settled, overrides, expected):
+    assert planned_rules(settled, demo_config(**overrides)) == expected
+
+
+def test_new_prompt_file_reruns_everything(settled):
+    extra = settled / "more-prompts.jsonl"
+    extra.write_text('{"id": "new-1", "messages": [{"role": "user", "content": "Explain `os.sep`."}]}\n')
+    files = demo_config()["data"]["prompt_files"] + [str(extra)]
+    assert planned_rules(settled, demo_config(data={"prompt_files": files})) == {"prompts"} | FROM_GENERATE
+
+
+def test_editing_training_code_reruns_training_not_generation(settled):
+    module = REPO / "draftflow/train.py"
+    original = module.read_text()
+    try:
+        module.write_text(original + "\n# an edit\n")
+        planned = planned_rules(settled, demo_config())
+    finally:
+        module.write_text(original)
+    assert planned == {"drafter_init", "train", "evaluate", "serve_check", "report", "provenance"}
+
+
+def test_changing_shard_count_reruns_every_shard(settled):
+    planned = planned_rules(settled, demo_config(extract={"shards": 3}))
+    assert {"extract_plan", "extract_shard", "extract"} <= planned and "generate" not in planned
+
+
+def test_fewer_shards_remove_the_stale_ones(tmp_path):
+    for k in range(4):
+        (tmp_path / f"shard-{k}").mkdir()
+        (tmp_path / f"shard-{k}" / "hs_0.safetensors").write_bytes(b"x")
+        (tmp_path / f"shard-{k}.json").write_text("{}")
+        (tmp_path / f"shard-{k}.heartbeat.json").write_text("{}")
+    removed = remove_stale_shards(tmp_path, 2)
+    assert sorted(removed) == sorted(f"shard-{k}{s}" for k in (2, 3) for s in ("", ".json", ".heartbeat.json"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"shard-{k}{s}" for k in (0, 1) for s in ("", ".json", ".heartbeat.json")
+    )

@@ -1,0 +1,96 @@
+"""Kill the whole workflow during generation and during training, resume, and get
+exactly the drafter that an uninterrupted run of the same config produced."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from draftflow.io import iter_jsonl
+from tests.conftest import REPO, SNAKEMAKE, demo_config, snakemake
+
+pytestmark = pytest.mark.slow
+
+
+def start_workflow(workdir: Path, config: dict) -> subprocess.Popen:
+    config_path = workdir / f"config-{config['run']}.yaml"
+    config_path.write_text(json.dumps(config))
+    command = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+               "--configfile", str(config_path), "--cores", "2", "--rerun-incomplete"]  # fmt: skip
+    return subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def kill_when(process: subprocess.Popen, ready, timeout_s: float = 600):
+    """SIGKILL the workflow's process group as soon as ``ready()`` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert process.poll() is None, "the workflow ended before the moment to kill it"
+        assert time.monotonic() < deadline, "the moment to kill never came"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    unlock = [*process.args[:-1], "--unlock"]  # a killed Snakemake leaves its lock
+    subprocess.run(unlock, check=True, capture_output=True)
+
+
+def lines(path_pattern: Path) -> int:
+    files = list(path_pattern.parent.glob(path_pattern.name))
+    return sum(1 for _ in files[0].open()) if files else 0
+
+
+@pytest.fixture(scope="module")
+def repeat_run(workdir, demo_run):
+    """The demo config under another run name, killed twice along the way."""
+    config = demo_config(run="repeat")
+    results = workdir / "results/repeat"
+    partial = results / "synthetic/work/generated-*.jsonl"
+    kill_when(start_workflow(workdir, config), lambda: lines(partial) >= 40)
+    answered_before_kill = lines(partial)
+    checkpoint = results / "train/work/checkpoint.pt"
+    kill_when(start_workflow(workdir, config), checkpoint.exists)
+    snakemake(workdir, config, "--rerun-incomplete")
+    return results, answered_before_kill
+
+
+def test_generation_resumed_without_losing_or_duplicating_samples(workdir, repeat_run):
+    results, answered_before_kill = repeat_run
+    ids = [row["primary_id"] for row in iter_jsonl(results / "synthetic/generated.jsonl")]
+    assert len(ids) == len(set(ids)) == demo_config()["data"]["num_samples"]
+    log = (workdir / "logs/repeat/generate.log").read_text()
+    regenerated = int(log.rsplit("Pipeline complete in", 1)[1].split(": ", 1)[1].split(" conversations")[0])
+    assert regenerated <= len(ids) - answered_before_kill
+
+
+def test_training_resumed_from_its_checkpoint(workdir, repeat_run):
+    assert "resuming at epoch" in (workdir / "logs/repeat/train.log").read_text()
+
+
+def test_same_config_gives_identical_results(demo_run, repeat_run):
+    repeat, _ = repeat_run
+    for name in ("vocab/d2t.npy", "vocab/t2d.npy"):
+        np.testing.assert_array_equal(np.load(demo_run / name), np.load(repeat / name))
+    for shard in range(demo_config()["extract"]["shards"]):
+        first, second = (json.loads((r / f"hidden_states/shard-{shard}.json").read_text()) for r in (demo_run, repeat))
+        assert [f["sha256"] for f in first["files"]] == [f["sha256"] for f in second["files"]]
+    first, second = (load_file(r / "drafter/model.safetensors") for r in (demo_run, repeat))
+    assert first.keys() == second.keys()
+    assert all((first[k] == second[k]).all() for k in first)
+    evaluations = [json.loads((r / "evaluation/evaluation.json").read_text()) for r in (demo_run, repeat)]
+    assert evaluations[0]["trained"] == evaluations[1]["trained"]
+
+
+def test_provenance_records_config_code_and_inputs(repeat_run):
+    results, _ = repeat_run
+    provenance = json.loads((results / "provenance.json").read_text())
+    assert provenance["config"]["run"] == "repeat"
+    assert len(provenance["target"]["fingerprint"]) == 64
+    assert provenance["packages"]["speculators"] == "0.9.0"
+    assert provenance["workflow_commit"]
+    assert set(provenance["stage_inputs"]) >= {"generate", "extract_shard", "train", "evaluate"}
+    assert all(len(digest) == 64 for digest in provenance["stage_inputs"]["train"].values())
