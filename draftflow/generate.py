@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
@@ -24,6 +24,7 @@ class GenerationSettings:
     max_retries: int
     seed: int
     reasoning_end_marker: str
+    max_error_fraction: float
 
 
 def regenerate(
@@ -96,13 +97,31 @@ def finish(
         raise RuntimeError(
             f"No conversation was answered; see {errors_path(partial)} for why."
         )
-    errors = list(iter_jsonl(errors_path(partial))) if errors_path(partial).exists() else []
+    errors = unresolved_errors(errors_path(partial), {row["primary_id"] for row in rows})
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     stats = generation_stats(rows, errors, tokenizer, settings.reasoning_end_marker, seconds)
     write_jsonl(errors_output, errors)
     write_json(stats_output, stats)
+    check_error_rate(stats, settings.max_error_fraction, errors_path(partial))
     write_jsonl(output, rows)
     return stats
+
+
+def unresolved_errors(path: Path, answered: set[str]) -> list[dict]:
+    """The latest error of each conversation that no (re)run answered since."""
+    latest = {row["id"]: row for row in iter_jsonl(path)} if path.exists() else {}
+    return [row for conversation, row in sorted(latest.items()) if conversation not in answered]
+
+
+def check_error_rate(stats: dict, max_fraction: float, errors_file: Path) -> None:
+    attempted = stats["conversations"] + stats["errors"]
+    if stats["errors"] > max_fraction * attempted:
+        raise RuntimeError(
+            f"{stats['errors']} of {attempted} conversations failed (more than "
+            f"generate.max_error_fraction={max_fraction}); their errors are in {errors_file}. "
+            "Fix the cause (server log, endpoint) and rerun: answered conversations are kept "
+            "and only the failed ones are asked again."
+        )
 
 
 def timed(function, *args) -> float:
@@ -121,5 +140,6 @@ def work_file(
     """
     key = hashlib.sha256()
     key.update(conversations.read_bytes())
-    key.update(json.dumps([str(Path(target).resolve()), asdict(settings)]).encode())
+    shaping = [settings.max_tokens, settings.temperature, settings.seed]
+    key.update(json.dumps([str(Path(target).resolve()), *shaping]).encode())
     return work_dir / f"generated-{key.hexdigest()[:16]}.jsonl"

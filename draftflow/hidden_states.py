@@ -6,6 +6,7 @@ final layer's output before the norm) and ``token_ids [seq]``.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ def expected_bytes(tokens: int, num_layer_ids: int, hidden_size: int, dtype: str
     return data + HEADER_BYTES_MAX
 
 
+class DiskFullError(OSError):
+    pass
+
+
 @dataclass(frozen=True)
 class WrittenFile:
     index: int
@@ -48,10 +53,20 @@ def write_sample(
     )
     path = directory / file_name(index)
     tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as stream:
-        stream.write(payload)
-        stream.flush()
-        os.fsync(stream.fileno())
+    try:
+        with tmp.open("wb") as stream:
+            stream.write(payload)
+            stream.flush()
+            os.fsync(stream.fileno())
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        if error.errno == errno.ENOSPC:
+            raise DiskFullError(
+                f"Disk full while writing {path} ({len(payload):,} bytes, sample {sample_id}). "
+                "The files written before it are intact and journaled: free space (the "
+                "progress check shows how much the rest needs) and rerun to resume."
+            ) from error
+        raise
     os.replace(tmp, path)
     return WrittenFile(
         index=index,

@@ -18,6 +18,7 @@ class PrepareStats:
     rows_in: int = 0
     kept: int = 0
     truncated: int = 0
+    dropped_too_long: int = 0
     dropped_too_few_supervised_tokens: int = 0
     tokens: int = 0
     supervised_tokens: int = 0
@@ -34,11 +35,15 @@ def check_token_ids(row: dict, vocab_size: int, source: Path) -> None:
 
 
 def select_rows(
-    rows: list[dict], max_length: int, minimum_valid_tokens: int, stats: PrepareStats
+    rows: list[dict], max_length: int, minimum_valid_tokens: int, on_too_long: str, stats: PrepareStats
 ) -> list[dict]:
-    """Rows that keep enough supervised tokens after truncation to ``max_length``."""
+    """Rows that fit ``max_length`` (or are truncated to it, per ``on_too_long``)
+    and keep at least ``minimum_valid_tokens`` supervised tokens."""
     kept = []
     for row in rows:
+        if on_too_long == "drop" and len(row["input_ids"]) > max_length:
+            stats.dropped_too_long += 1
+            continue
         supervised = sum(row["loss_mask"][:max_length])
         if supervised < minimum_valid_tokens:
             stats.dropped_too_few_supervised_tokens += 1
@@ -57,6 +62,7 @@ def prepare(
     *,
     max_length: int,
     minimum_valid_tokens: int,
+    on_too_long: str,
     dataset_output: Path,
     token_freq_output: Path,
     stats_output: Path,
@@ -66,11 +72,13 @@ def prepare(
     for row in rows:
         check_token_ids(row, len(tokenizer), samples)
     stats = PrepareStats(rows_in=len(rows))
-    rows = select_rows(rows, max_length, minimum_valid_tokens, stats)
+    rows = select_rows(rows, max_length, minimum_valid_tokens, on_too_long, stats)
     if not rows:
         raise ValueError(
-            f"{samples}: no sample has {minimum_valid_tokens}+ supervised tokens "
-            f"within prepare.max_seq_length={max_length}."
+            f"{samples}: no sample has {minimum_valid_tokens}+ supervised (assistant) tokens "
+            f"within prepare.max_seq_length={max_length} ({asdict(stats)}). If every answer "
+            f"is empty, check the chat template in {target}/tokenizer_config.json: its "
+            "generation prompt must open an assistant turn."
         )
     columns = {key: [row[key] for row in rows] for key in ("input_ids", "loss_mask")}
     dataset = build_speculator_training_dataset(

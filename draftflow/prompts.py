@@ -22,6 +22,7 @@ class PromptStats:
     rows_read: int = 0
     bad_rows: int = 0
     duplicates: int = 0
+    duplicate_ids_renamed: int = 0
     unique: int = 0
     sampled: int = 0
     bad_row_reasons: Counter = field(default_factory=Counter)
@@ -32,6 +33,7 @@ class PromptStats:
             "bad_rows": self.bad_rows,
             "bad_row_reasons": dict(self.bad_row_reasons),
             "duplicates": self.duplicates,
+            "duplicate_ids_renamed": self.duplicate_ids_renamed,
             "unique": self.unique,
             "sampled": self.sampled,
         }
@@ -113,6 +115,7 @@ def select_prompts(
                 stats.duplicates += 1
                 continue
             if sample_id in owner_of_id:
+                stats.duplicate_ids_renamed += 1
                 sample_id = f"{sample_id}-{digest[:8]}"
             owner_of_id[sample_id] = digest
             by_digest[digest] = {"id": sample_id, "messages": turns}

@@ -24,18 +24,34 @@ def is_heldout(sample_id: str, fraction: float, seed: int) -> bool:
     return int(digest[:12], 16) / 16**12 < fraction
 
 
-def hidden_state_files(manifest_paths: list[str]) -> dict[int, Path]:
-    """Dataset row → its file, from the shard manifests."""
+def hidden_state_files(manifest_paths: list[str]) -> dict[int, tuple[Path, int]]:
+    """Dataset row → (its file, its size in bytes), from the shard manifests."""
     files = {}
     for manifest_path in manifest_paths:
         base = Path(manifest_path).parent
         for entry in read_json(manifest_path)["files"]:
-            files[entry["index"]] = base / entry["file"]
+            files[entry["index"]] = (base / entry["file"], entry["bytes"])
     return files
 
 
+def check_file(path: Path, size: int, sample_id: str) -> None:
+    """Refuse a missing, resized or unparsable hidden-state file, naming it."""
+    problem = (
+        "is missing" if not path.exists()
+        else f"has {path.stat().st_size:,} bytes, its manifest says {size:,}" if path.stat().st_size != size
+        else "does not parse as safetensors" if not opens_cleanly(path)
+        else None
+    )  # fmt: skip
+    if problem:
+        raise ValueError(
+            f"Hidden-state file {path} (sample {sample_id}) {problem}. Delete it and run "
+            "`snakemake --forcerun extract_shard`: shards keep the files their journal "
+            "vouches for and extract the missing ones again."
+        )
+
+
 def build_view(
-    dataset_dir: Path, files: dict[int, Path], rows: list[int], view_dir: Path
+    dataset_dir: Path, files: dict[int, tuple[Path, int]], rows: list[int], view_dir: Path
 ) -> None:
     """Save ``rows`` of the dataset to ``view_dir`` with symlinked hidden states."""
     dataset = load_from_disk(str(dataset_dir)).select(rows)
@@ -45,12 +61,8 @@ def build_view(
         links.mkdir()
         final_links = (view_dir / "hidden_states").resolve()
         for position, row in enumerate(rows):
-            source = files[row]
-            if not opens_cleanly(source):
-                raise ValueError(
-                    f"{source} (sample {dataset[position]['sample_id']}) is corrupt. "
-                    "Delete it and rerun: extraction redoes missing files."
-                )
+            source, size = files[row]
+            check_file(source, size, dataset[position]["sample_id"])
             (links / file_name(position)).symlink_to(os.path.relpath(source.resolve(), final_links))
 
 

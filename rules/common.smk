@@ -70,18 +70,25 @@ def extract_backend_options():
     }
 
 
-def check_layer_ids_now():
-    """Fail at parse time when the target exists and the layer ids do not fit it.
+def check_target_now():
+    """Fail at parse time when the target exists and the config does not fit it.
 
-    A target the workflow still has to build is checked by extract_plan.
+    A target the workflow still has to build is checked by its first rule.
     """
     target_config = Path(TARGET) / "config.json"
-    if target_config.exists():
-        layers = json.loads(target_config.read_text())["num_hidden_layers"]
-        resolve_layer_ids(config["extract"]["layer_ids"], layers)
+    if not target_config.exists():
+        return
+    target = json.loads(target_config.read_text())
+    resolve_layer_ids(config["extract"]["layer_ids"], target["num_hidden_layers"])
+    draft_vocab_size = config["vocab"]["draft_vocab_size"]
+    if "vocab_size" in target and draft_vocab_size > target["vocab_size"]:
+        raise ValueError(
+            f"vocab.draft_vocab_size={draft_vocab_size} is larger than the target's "
+            f"vocabulary ({target['vocab_size']}, {target_config}); choose at most that."
+        )
 
 
-check_layer_ids_now()
+check_target_now()
 
 
 def train_settings():

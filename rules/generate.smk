@@ -27,6 +27,7 @@ rule generate:
             "max_retries": config["generate"]["max_retries"],
             "seed": config["seed"],
             "reasoning_end_marker": config["generate"]["reasoning_end_marker"],
+            "max_error_fraction": config["generate"]["max_error_fraction"],
         },
     script:
         "../scripts/generate.py"

@@ -16,5 +16,6 @@ rule prepare:
         code=code_version("prepare"),
         max_seq_length=config["prepare"]["max_seq_length"],
         minimum_valid_tokens=config["prepare"]["minimum_valid_tokens"],
+        on_too_long=config["prepare"]["on_too_long"],
     script:
         "../scripts/prepare.py"

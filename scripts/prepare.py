@@ -9,6 +9,7 @@ with logged(snakemake.log[0]):
         snakemake.input.target,
         max_length=snakemake.params.max_seq_length,
         minimum_valid_tokens=snakemake.params.minimum_valid_tokens,
+        on_too_long=snakemake.params.on_too_long,
         dataset_output=Path(snakemake.output.dataset),
         token_freq_output=Path(snakemake.output.token_freq),
         stats_output=Path(snakemake.output.stats),

@@ -1,0 +1,148 @@
+"""Bad input and faults: clear errors that name the file, sample or key; nothing lost."""
+
+import json
+import socket
+import subprocess
+import time
+
+import pytest
+import torch
+
+from draftflow.extract_transformers import transformers_extractor
+from draftflow.extraction import ExtractionSettings, Sample, ShardJournal, run_shard
+from draftflow.generate import check_error_rate, unresolved_errors
+from draftflow.hidden_states import DiskFullError
+from draftflow.prompts import BadPromptRow, select_prompts
+from draftflow.training_data import check_file
+from draftflow.vllm_server import ServerStartError, vllm_server
+from tests.conftest import demo_config, snakemake
+from tests.test_example_configs import example_config
+from tests.test_extraction import LAYERS, make_samples, tiny_target  # noqa: F401 - fixture
+
+
+def write_rows(path, lines):
+    path.write_bytes(b"".join(line if isinstance(line, bytes) else json.dumps(line).encode() + b"\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        ({"messages": []}, "empty"),
+        ({"messages": [{"role": "system", "content": "only a system turn"}]}, "no user turn"),
+        ({"conversations": [{"from": "gpt", "value": "an answer, no question"}]}, "no user turn"),
+        (b"\xff\xfe not utf-8\n", "utf-8"),
+        (b"[1, 2]\n", "not a JSON object"),
+    ],
+)
+def test_bad_prompt_rows_name_file_and_line_or_are_skipped_and_counted(tmp_path, line, reason):
+    good = {"id": "ok", "messages": [{"role": "user", "content": "hi"}]}
+    path = write_rows(tmp_path / "prompts.jsonl", [good, line])
+    with pytest.raises(BadPromptRow, match=rf"prompts\.jsonl, line 2: .*{reason}.*data\.on_bad_row"):
+        select_prompts([path], 10, 0, "fail")
+    rows, stats = select_prompts([path], 10, 0, "skip")
+    assert [row["id"] for row in rows] == ["ok"] and stats.bad_rows == 1
+
+
+def test_duplicate_ids_with_different_text_are_kept_apart_and_counted(tmp_path):
+    rows = [{"id": "same", "messages": [{"role": "user", "content": text}]} for text in ("a", "b")]
+    selected, stats = select_prompts([write_rows(tmp_path / "p.jsonl", rows)], 10, 0, "fail")
+    assert len({row["id"] for row in selected}) == 2 and stats.duplicate_ids_renamed == 1
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c["vocab"].update(draft_vocab_size=200_000), "vocab.draft_vocab_size=200000 is larger"),
+        (lambda c: c["extract"].update(shards=0), "shards"),
+        (lambda c: c["target"].update(path="/nonexistent/model"), "/nonexistent/model"),
+        (lambda c: c["extract"].update(layer_ids=[2, 40]), "extract.layer_ids [2, 40]"),
+    ],
+    ids=["draft vocab > target vocab", "shards < 1", "missing model path", "layer id out of range"],
+)
+def test_config_errors_stop_before_any_job(tmp_path, edit, message):
+    config = example_config("llama-8b-1gpu.yaml", tmp_path, 32)
+    (tmp_path / "target/config.json").write_text(json.dumps({"num_hidden_layers": 32, "vocab_size": 128256}))
+    edit(config)
+    process = snakemake(tmp_path, config, "-n", check=False)
+    assert process.returncode != 0
+    assert message in process.stdout + process.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_server_that_cannot_start_fails_fast_with_its_log_and_leaves_nothing(tmp_path):
+    log = tmp_path / "server.log"
+    started = time.monotonic()
+    with pytest.raises(ServerStartError, match=r"exited with code .*Last lines of"):
+        with vllm_server(str(tmp_path / "no-such-model"), ["--enforce-eager"], log, health_timeout_s=300):
+            pass
+    assert time.monotonic() - started < 300
+    assert subprocess.run(["pgrep", "-f", "no-such-model"], capture_output=True).returncode == 1
+
+
+def test_server_on_a_taken_port_fails_with_its_log(tmp_path, demo_run):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        target = str(demo_run.parents[1] / "resources/demo-target")
+        with pytest.raises(ServerStartError) as error:
+            with vllm_server(target, ["--enforce-eager", "--dtype", "float32"], tmp_path / "server.log", port=port, health_timeout_s=300):
+                pass
+    assert "Last lines of" in str(error.value)
+    assert subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True).returncode == 1
+
+
+def test_generation_fails_above_the_error_budget_and_keeps_answers(tmp_path):
+    errors = write_rows(tmp_path / "e.jsonl", [{"id": "a", "metadata": {}}, {"id": "b", "metadata": {}}, {"id": "a", "metadata": {}}])
+    unresolved = unresolved_errors(errors, answered={"b"})
+    assert [row["id"] for row in unresolved] == ["a"]
+    check_error_rate({"conversations": 99, "errors": 1}, 0.05, errors)
+    with pytest.raises(RuntimeError, match=r"10 of 100 conversations failed.*e\.jsonl.*rerun"):
+        check_error_rate({"conversations": 90, "errors": 10}, 0.05, errors)
+
+
+def test_corrupt_hidden_state_file_is_refused_by_name(tmp_path):
+    path = tmp_path / "hs_7.safetensors"
+    path.write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match=r"hs_7\.safetensors \(sample s7\) does not parse"):
+        check_file(path, 64, "s7")
+    with pytest.raises(ValueError, match=r"has 64 bytes, its manifest says 100"):
+        check_file(path, 100, "s7")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_disk_full_stops_the_shard_clearly_and_keeps_earlier_files(tiny_target, small_disk):  # noqa: F811
+    layer_ids = [2, 4, 5, LAYERS]
+    samples = [Sample(i, f"s{i}", list(range(1, 200))) for i in range(20)]  # ~205 KB each in fp32
+    settings = ExtractionSettings("transformers", tuple(layer_ids), "float32", "fp")
+    shard_dir = small_disk / "shard-0"
+    with pytest.raises(DiskFullError, match=r"Disk full while writing .*hs_\d+\.safetensors.*rerun to resume"):
+        run_shard(samples, 0, shard_dir, small_disk / "hb.json", settings, lambda: transformers_extractor(
+            str(tiny_target), layer_ids, dtype="float32", device="cpu", token_budget=256))
+    done = ShardJournal(shard_dir, settings).completed()
+    assert 0 < len(done) < len(samples)
+    assert sorted(p.name for p in shard_dir.glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in done)
+    assert not list(shard_dir.glob(".*.tmp"))
+
+
+def test_generation_under_load_loses_and_duplicates_nothing(workdir, demo_run):
+    config = demo_config(run="load", generate={"concurrency": 64})
+    snakemake(workdir, config, "results/load/synthetic/stats.json")
+    results = workdir / "results/load"
+    asked = [json.loads(line)["id"] for line in (results / "prompts/conversations.jsonl").open()]
+    answered = [json.loads(line)["primary_id"] for line in (results / "synthetic/generated.jsonl").open()]
+    errors = [json.loads(line)["id"] for line in (results / "synthetic/errors.jsonl").open()]
+    stats = json.loads((results / "synthetic/stats.json").read_text())
+    assert len(answered) == len(set(answered))
+    assert sorted(answered + errors) == sorted(asked)
+    assert stats["errors"] == len(errors) and stats["response_tokens_per_second"] > 0
