@@ -13,10 +13,11 @@ install: $(VENV)/.installed
 # --no-deps: the lock is complete, and it leaves out the CUDA builds of
 # torchvision/torchaudio that speculators declares (they break transformers
 # beside the CPU torch). torch==2.13.0 comes from this machine's disk.
+# draftflow itself is put on the path with a .pth file (vLLM servers import its connector).
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --no-deps -r requirements.lock
-	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -c "import site; open(site.getsitepackages()[0] + '/draftflow.pth', 'w').write('$(CURDIR)\n')"
 	touch $@
 
 demo: install
