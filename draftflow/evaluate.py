@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from draftflow.hidden_states import file_name
+from draftflow.plots import pyplot, save_png
 
 
 class LayerIdMismatch(ValueError):
@@ -128,13 +129,7 @@ def evaluate(drafter, head: TargetHead, view_dir: Path, samples: list[tuple[int,
 
 
 def plot_acceptance(results: dict, output: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from draftflow.io import atomic_path
-
+    plt = pyplot()
     positions = range(1, results["draft_tokens"] + 1)
     figure, axis = plt.subplots(figsize=(6, 4))
     width = 0.38
@@ -150,7 +145,4 @@ def plot_acceptance(results: dict, output: Path) -> None:
         ylim=(0, 100),
     )
     axis.legend()
-    figure.tight_layout()
-    with atomic_path(output) as tmp:
-        figure.savefig(tmp, format="png", dpi=120)
-    plt.close(figure)
+    save_png(figure, output)

@@ -6,6 +6,7 @@ import csv
 from pathlib import Path
 
 from draftflow.io import atomic_path, read_json, write_text
+from draftflow.plots import pyplot, save_png
 
 COLUMNS = ("stage", "jobs", "seconds", "max_rss_mb", "cpu_seconds", "work", "throughput")
 
@@ -82,21 +83,14 @@ def runtime_rows(runtimes: dict, work: dict) -> list[dict]:
 
 
 def plot_runtimes(rows: list[dict], output: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2))
     axis.barh([row["stage"] for row in rows], [row["seconds"] for row in rows])
     for index, row in enumerate(rows):
         axis.annotate(f"{row['seconds']:.1f} s", (row["seconds"], index), xytext=(4, -4), textcoords="offset points")
     axis.invert_yaxis()
     axis.set(xlabel="wall time (s, summed over a stage's jobs)", title="Runtime per stage")
-    figure.tight_layout()
-    with atomic_path(output) as tmp:
-        figure.savefig(tmp, format="png", dpi=120)
-    plt.close(figure)
+    save_png(figure, output)
 
 
 def markdown(run: str, rows: list[dict], stats: dict) -> str:

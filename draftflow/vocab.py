@@ -9,6 +9,7 @@ import torch
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
 from draftflow.io import atomic_path, write_json
+from draftflow.plots import pyplot, save_png
 
 
 def coverage_curve(token_freq: dict[int, int], sizes: list[int]) -> dict[int, float]:
@@ -59,13 +60,9 @@ def build_vocab_map(
 
 
 def plot_coverage(summary: dict, output: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sizes = [int(k) for k in summary["curve"]]
-    values = [100 * v for v in summary["curve"].values()]
+    plt = pyplot()
+    curve = sorted((int(k), 100 * v) for k, v in summary["curve"].items())
+    sizes, values = zip(*curve, strict=True)
     figure, axis = plt.subplots(figsize=(6, 4))
     axis.plot(sizes, values, marker="o")
     axis.axvline(summary["draft_vocab_size"], color="grey", linestyle="--")
@@ -80,8 +77,7 @@ def plot_coverage(summary: dict, output: Path) -> None:
         ylabel="loss-masked tokens covered (%)",
         title="Draft vocabulary coverage",
     )
+    axis.set_xticks(sizes, [f"{k:,}" for k in sizes])
+    axis.minorticks_off()
     axis.grid(alpha=0.3)
-    figure.tight_layout()
-    with atomic_path(output) as tmp:
-        figure.savefig(tmp, format="png", dpi=120)
-    plt.close(figure)
+    save_png(figure, output)
