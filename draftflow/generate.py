@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
 from transformers import AutoTokenizer
 
+from draftflow.auth_proxy import api_key_from_env, authenticating_proxy
 from draftflow.io import iter_jsonl, write_json, write_jsonl
 
 
@@ -143,3 +147,19 @@ def work_file(
     shaping = [settings.max_tokens, settings.temperature, settings.seed]
     key.update(json.dumps([str(Path(target).resolve()), *shaping]).encode())
     return work_dir / f"generated-{key.hexdigest()[:16]}.jsonl"
+
+
+@contextlib.contextmanager
+def target_endpoint(
+    external: str | None, api_key_env: str | None, start_server: Callable[[], AbstractContextManager[str]]
+) -> Iterator[str]:
+    """Base URL to generate with: a server started for the block, or the external
+    endpoint (through a loopback proxy that adds the API key, when one is named)."""
+    if not external:
+        with start_server() as url:
+            yield url
+    elif api_key_env:
+        with authenticating_proxy(external, api_key_from_env(api_key_env)) as url:
+            yield url
+    else:
+        yield external

@@ -18,6 +18,7 @@ rule generate:
     params:
         code=code_version("generate"),
         endpoint=config["generate"]["endpoint"],
+        api_key_env=config["generate"]["api_key_env"],
         work_dir=result("synthetic/work"),
         server=vllm_server_params(generation_server_args()),
         settings={

@@ -1,21 +1,20 @@
+from functools import partial
 from pathlib import Path
 
-from draftflow.generate import GenerationSettings, finish, regenerate, timed, work_file
+from draftflow.generate import GenerationSettings, finish, regenerate, target_endpoint, timed, work_file
 from draftflow.rule_log import logged
 from draftflow.vllm_server import vllm_server
 
 params = snakemake.params
-with logged(snakemake.log[0]):
+with logged(snakemake.log.log):
     settings = GenerationSettings(**params.settings)
     conversations = Path(snakemake.input.conversations)
-    partial = work_file(Path(params.work_dir), conversations, snakemake.input.target, settings)
-    if params.endpoint:
-        seconds = timed(regenerate, f"{params.endpoint}/v1/chat/completions", conversations, partial, settings)
-    else:
-        with vllm_server(snakemake.input.target, log_path=Path(snakemake.log.server), **params.server) as url:
-            seconds = timed(regenerate, f"{url}/v1/chat/completions", conversations, partial, settings)
+    partial_output = work_file(Path(params.work_dir), conversations, snakemake.input.target, settings)
+    start_server = partial(vllm_server, snakemake.input.target, log_path=Path(snakemake.log.server), **params.server)
+    with target_endpoint(params.endpoint, params.api_key_env, start_server) as url:
+        seconds = timed(regenerate, f"{url}/v1/chat/completions", conversations, partial_output, settings)
     finish(
-        partial,
+        partial_output,
         snakemake.input.target,
         settings,
         seconds,

@@ -146,3 +146,24 @@ def test_generation_under_load_loses_and_duplicates_nothing(workdir, demo_run):
     assert len(answered) == len(set(answered))
     assert sorted(answered + errors) == sorted(asked)
     assert stats["errors"] == len(errors) and stats["response_tokens_per_second"] > 0
+
+
+def test_external_endpoint_key_comes_from_the_environment_and_stays_out_of_logs(workdir, demo_run, tmp_path, monkeypatch):
+    key = "sk-draftflow-test-4711"
+    target = str(demo_run.parents[1] / "resources/demo-target")
+    args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024", "--api-key", key]
+    with vllm_server(target, args, tmp_path / "external.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as external:
+        config = demo_config(
+            run="external",
+            data={"num_samples": 12},
+            generate={"endpoint": external, "api_key_env": "DRAFTFLOW_TEST_KEY"},
+        )
+        missing = snakemake(workdir, config, "results/external/synthetic/stats.json", check=False)
+        assert missing.returncode != 0
+        assert "DRAFTFLOW_TEST_KEY" in (workdir / "logs/external/generate.log").read_text()
+        monkeypatch.setenv("DRAFTFLOW_TEST_KEY", key)
+        snakemake(workdir, config, "results/external/synthetic/stats.json")
+    stats = json.loads((workdir / "results/external/synthetic/stats.json").read_text())
+    assert stats["samples"] == 12 and stats["errors"] == 0
+    written = [p for p in (workdir / "logs/external").iterdir()] + list((workdir / "results/external").rglob("*.json*"))
+    assert not [p for p in written if key in p.read_text(errors="replace")]
