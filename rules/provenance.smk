@@ -32,6 +32,7 @@ rule provenance:
     conda:
         CONDA_ENV
     params:
+        workflow_dir=workflow.basedir,
         code=code_version("provenance"),
         stage_inputs={
             stage: [str(path) for path in getattr(rules, stage).input]

@@ -9,6 +9,6 @@ with logged(snakemake.log[0]):
         snakemake.config,
         Path(snakemake.input.target),
         snakemake.params.stage_inputs,
-        Path(snakemake.workflow.basedir),
+        Path(snakemake.params.workflow_dir),
     )
     write_json(snakemake.output.provenance, record)
