@@ -1,8 +1,9 @@
 """Extraction throughput per backend on the demo, and the 10,000-sample dry-run time.
 
-Run after `make demo` (it reads results/demo and resources/demo-target):
+Run after `make demo` (it reads results/demo and resources/demo-target, or
+the folder given as the argument):
 
-    .venv/bin/python bench/extract_throughput.py
+    .venv/bin/python bench/extract_throughput.py [WORKDIR]
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from draftflow.extraction import ExtractionSettings, load_samples, run_shard
 from draftflow.io import read_json
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "results/demo"
-TARGET = REPO / "resources/demo-target"
+WORKDIR = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO
+RESULTS = WORKDIR / "results/demo"
+TARGET = WORKDIR / "resources/demo-target"
 
 
 def backend_options() -> dict:
