@@ -6,8 +6,9 @@
 #
 #   .ci/slurm.sh install      apt-get the packages if they are missing (root)
 #   .ci/slurm.sh up DIR       configure and start everything; state, logs and
-#                             config live in DIR; /etc/slurm/slurm.conf and
-#                             slurmdbd.conf become symlinks into DIR
+#                             config live in DIR (new or empty); /etc/slurm/
+#                             slurm.conf, slurmdbd.conf, gres.conf become
+#                             symlinks into DIR
 #   .ci/slurm.sh down DIR     stop what `up DIR` started, remove the symlinks
 #
 # `up` prints KEY=VALUE lines (cluster, partition, account, gpus, ...) on
@@ -74,22 +75,30 @@ wait_for() {  # wait_for SECONDS DESCRIPTION LOGFILE COMMAND...: exit 2 from COM
 
 pid_alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
-stop_pidfile() {  # stop_pidfile FILE NAME
-    local file=$1 name=$2 pid i
-    [ -s "$file" ] || return 0
-    pid=$(cat "$file")
-    if kill -0 "$pid" 2>/dev/null; then
-        kill "$pid" 2>/dev/null || true
-        for i in $(seq 100); do
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.1
+stop_daemons() {  # stop_daemons NAME=PIDFILE...: SIGTERM to all at once, SIGKILL after 15 s
+    local entry name file pid pids=() alive=() i
+    for entry in "$@"; do
+        name=${entry%%=*}
+        file=${entry#*=}
+        [ -s "$file" ] || continue
+        pid=$(cat "$file")
+        rm -f "$file"
+        # only the daemon it names: a stale pid file's number may belong to anything now
+        [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$name" ] || continue
+        kill "$pid" 2>/dev/null && pids+=("$pid")
+    done
+    for i in $(seq 150); do
+        alive=()
+        for pid in "${pids[@]}"; do
+            kill -0 "$pid" 2>/dev/null && alive+=("$pid")
         done
-        if kill -0 "$pid" 2>/dev/null; then
-            log "$name ($pid) ignored SIGTERM, killing"
-            kill -9 "$pid" 2>/dev/null || true
-        fi
-    fi
-    rm -f "$file"
+        [ ${#alive[@]} -eq 0 ] && return 0
+        sleep 0.1
+    done
+    for pid in "${alive[@]}"; do
+        log "$(cat "/proc/$pid/comm" 2>/dev/null) ($pid) ignored SIGTERM, killing it"
+        kill -9 "$pid" 2>/dev/null || true
+    done
 }
 
 own_link() {  # is $1 a symlink into $2?
@@ -101,7 +110,12 @@ up() {
     local dir=$1
     [ "$(id -u)" = 0 ] || die "needs root (daemons, /etc/slurm)"
     [ -z "$(missing_packages)" ] || die "packages missing: $(missing_packages | tr '\n' ' ')(run: $0 install)"
-    for f in "$CONF_DIR/slurm.conf" "$CONF_DIR/slurmdbd.conf"; do
+    if [ -d "$dir" ] && [ -n "$(ls -A "$dir")" ]; then
+        die "$dir is not empty (a cluster there still up? run: $0 down $dir); give a new or empty folder"
+    fi
+    mkdir -p "$dir"
+    dir=$(cd "$dir" && pwd)
+    for f in "$CONF_DIR/slurm.conf" "$CONF_DIR/slurmdbd.conf" "$CONF_DIR/gres.conf"; do
         if [ -e "$f" ] || [ -L "$f" ]; then
             own_link "$f" "$dir" && continue
             if [ -L "$f" ] && [ ! -e "$f" ]; then  # dangling: a crashed run's, whoever made it
@@ -112,8 +126,9 @@ up() {
             die "$f exists and is not ours: this machine has its own SLURM configuration"
         fi
     done
-    mkdir -p "$dir"
-    dir=$(cd "$dir" && pwd)
+    # a failure on the way stops what already started
+    # shellcheck disable=SC2064
+    trap "log 'bring-up failed: stopping what started'; down '$dir' >&2 || true" EXIT
     # mysql and munge must reach their folders in it
     chmod 755 "$dir"
     mkdir -p "$dir/ctld" "$dir/slurmd" "$dir/log" "$dir/run"
@@ -222,16 +237,17 @@ EOF
     ln -sfn "$dir/slurmdbd.conf" "$CONF_DIR/slurmdbd.conf"
     ln -sfn "$dir/gres.conf" "$CONF_DIR/gres.conf"
 
-    slurmdbd
+    slurmdbd || die "slurmdbd did not start: see $dir/log/slurmdbd.log"
     wait_for 30 slurmdbd "$dir/log/slurmdbd.log" sacctmgr -n list cluster
     sacctmgr -i add cluster "$CLUSTER" >&2
     sacctmgr -i add account "$ACCOUNT" cluster="$CLUSTER" description=draftflow organization=draftflow >&2
     sacctmgr -i add user "$(id -un)" account="$ACCOUNT" defaultaccount="$ACCOUNT" cluster="$CLUSTER" >&2
-    slurmctld
+    slurmctld || die "slurmctld did not start: see $dir/log/slurmctld.log"
     wait_for 30 slurmctld "$dir/log/slurmctld.log" scontrol ping
-    slurmd
+    slurmd || die "slurmd did not start: see $dir/log/slurmd.log"
     wait_for 30 "node $node idle" "$dir/log/slurmd.log" sh -c "sinfo -h -N -n '$node' -o %t | grep -qx idle"
 
+    trap - EXIT
     echo "cluster=$CLUSTER"
     echo "partition=$PARTITION"
     echo "account=$ACCOUNT"
@@ -247,14 +263,17 @@ down() {
     dir=$(cd "$dir" && pwd)
     # running jobs first, so nothing holds the node
     if [ -e "$dir/run/slurmctld.pid" ] && own_link "$CONF_DIR/slurm.conf" "$dir"; then
-        scancel --full --quiet --user="$(id -un)" 2>/dev/null || true
+        scancel --quiet --user="$(id -un)" 2>/dev/null || true
+        local i
+        for i in $(seq 50); do
+            [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break
+            sleep 0.2
+        done
     fi
-    stop_pidfile "$dir/run/slurmd.pid" slurmd
-    stop_pidfile "$dir/run/slurmctld.pid" slurmctld
-    stop_pidfile "$dir/run/slurmdbd.pid" slurmdbd
-    stop_pidfile "$dir/mysql/mariadbd.pid" mariadbd
+    stop_daemons slurmd="$dir/run/slurmd.pid" slurmctld="$dir/run/slurmctld.pid"
+    stop_daemons slurmdbd="$dir/run/slurmdbd.pid" mariadbd="$dir/mysql/mariadbd.pid"
     if [ -e "$dir/run/munged.ours" ]; then
-        stop_pidfile "$dir/munge/munged.pid" munged
+        stop_daemons munged="$dir/munge/munged.pid"
         rm -f "$dir/run/munged.ours"
     fi
     local f

@@ -14,7 +14,7 @@ rule generate:
     conda:
         CONDA_ENV
     resources:
-        gpu=gpus_per_server(),
+        gpu=0 if config["generate"]["endpoint"] else gpus_per_server(),
     params:
         code=code_version("generate"),
         endpoint=config["generate"]["endpoint"],

@@ -5,11 +5,12 @@ from draftflow.extract_backends import open_extractor
 from draftflow.extraction import ExtractionSettings, load_samples, run_shard, shard_manifest, shard_samples
 from draftflow.fingerprint import target_fingerprint
 from draftflow.io import read_json, write_json
+from draftflow.gpus import claim_gpus
 from draftflow.rule_log import logged
 
 params = snakemake.params
 shard = int(snakemake.wildcards.shard)
-with logged(snakemake.log.log):
+with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
     plan = read_json(snakemake.input.plan)
     target = snakemake.input.target
     settings = ExtractionSettings(

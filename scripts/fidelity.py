@@ -4,10 +4,11 @@ from draftflow.extract_backends import open_extractor
 from draftflow.extraction import load_samples
 from draftflow.fidelity import compare
 from draftflow.io import read_json, write_json
+from draftflow.gpus import claim_gpus
 from draftflow.rule_log import logged
 
 params = snakemake.params
-with logged(snakemake.log.log):
+with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
     plan = read_json(snakemake.input.plan)
     samples = load_samples(Path(snakemake.input.dataset))[: params.samples]
     states = {}

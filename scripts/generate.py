@@ -2,11 +2,12 @@ from functools import partial
 from pathlib import Path
 
 from draftflow.generate import GenerationSettings, finish, regenerate, target_endpoint, timed, work_file
+from draftflow.gpus import claim_gpus
 from draftflow.rule_log import logged
 from draftflow.vllm_server import vllm_server
 
 params = snakemake.params
-with logged(snakemake.log.log):
+with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
     settings = GenerationSettings(**params.settings)
     conversations = Path(snakemake.input.conversations)
     partial_output = work_file(Path(params.work_dir), conversations, snakemake.input.target, settings)

@@ -1,10 +1,11 @@
 from pathlib import Path
 
+from draftflow.gpus import claim_gpus
 from draftflow.io import write_json
 from draftflow.rule_log import logged
 from draftflow.train import TrainSettings, drafter_identity, finalize_config, train_on_cpu, train_with_trainer
 
-with logged(snakemake.log[0]):
+with logged(snakemake.log[0]), claim_gpus(snakemake.resources.gpu):
     settings = TrainSettings(**snakemake.params.settings)
     init_dir = Path(snakemake.input.init)
     output = Path(snakemake.output.drafter)
