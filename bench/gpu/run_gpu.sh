@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Every GPU measurement of BENCHMARKS.md in one command, from the repo root of
+# a machine with one NVIDIA GPU:
+#
+#   bash bench/gpu/run_gpu.sh extract            # extraction (about 3 minutes on an H200, plus the install)
+#   bash bench/gpu/run_gpu.sh train              # training (about 4 minutes)
+#   bash bench/gpu/run_gpu.sh workflow           # the demo workflow on the GPU (about 6 minutes; bench/gpu/workflow_gpu.sh)
+#   bash bench/gpu/run_gpu.sh                    # extract + train
+# Give each call at most what fits the lease's 10-minute command limit (DEADLINE, seconds).
+#
+# Python packages the machine lacks can sit as wheels in .whl/ (speculators,
+# datasets, pydantic, snakemake, ...: BENCHMARKS.md lists them); they are
+# installed to /tmp/site and put first on PYTHONPATH. Results go to $OUT
+# (default bench/results/gpu-run): env.txt, extract.json, train.json and logs.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-bench/results/gpu-run}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PATH=/tmp/site/bin:$PATH
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(extract train)
+
+{
+    date -u +%FT%TZ
+    uname -a
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv
+    nproc
+    free -g | head -2
+    df -hT . | tail -1
+    python3 - <<'EOF'
+import importlib, sys
+print("python", sys.version.split()[0])
+for name in ("torch", "transformers", "safetensors", "datasets", "speculators", "pydantic", "snakemake", "triton", "numpy", "pyarrow"):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "?"), module.__file__)
+    except Exception as error:  # noqa: BLE001
+        print(name, "MISSING", error)
+EOF
+    python3 -m snakemake --version 2>&1 | tail -1
+} 2>&1 | tee "$OUT/env.txt"
+
+# torch.compile (speculators compiles the drafter's forward on CUDA) needs a working inductor here
+if ! timeout 120 python3 -c "
+import torch
+f = torch.compile(lambda x: torch.nn.functional.gelu(x) * 2)
+print('torch.compile ok', f(torch.randn(64, device='cuda')).shape)
+" 2>&1 | tee -a "$OUT/env.txt"; then
+    echo "torch.compile does not work here: training runs with TORCHDYNAMO_DISABLE=1" | tee -a "$OUT/env.txt"
+    export TORCHDYNAMO_DISABLE=1
+fi
+
+# one deadline for all parts, DEADLINE seconds after this script started (install included),
+# so the command ends inside the lease's limit
+deadline=${DEADLINE:-560}
+left() { local t=$((deadline - SECONDS)); [ "$t" -gt "$1" ] && t=$1; [ "$t" -lt 1 ] && t=1; echo "$t"; }
+status=0
+for part in "${parts[@]}"; do
+    case "$part" in
+    extract)
+        timeout "$(left ${EXTRACT_TIMEOUT:-300})" python3 bench/gpu/extract_bench.py --shape 8b --keep --out "$OUT" 2>&1 | tee "$OUT/extract.log" || status=1
+        ;;
+    train)
+        args=(--shape 8b --out "$OUT" --trainer-steps 20 --loop-steps 6 --warmup 3)
+        [ -f .bench-scratch/samples.json ] && args+=(--hs-dir .bench-scratch/backend_concurrent/shard-0)
+        timeout "$(left ${TRAIN_TIMEOUT:-360})" python3 bench/gpu/train_bench.py "${args[@]}" 2>&1 | tee "$OUT/train.log" || status=1
+        ;;
+    workflow)
+        timeout "$(left ${WORKFLOW_TIMEOUT:-480})" bash bench/gpu/workflow_gpu.sh "$OUT" || status=1
+        ;;
+    *)
+        echo "unknown part $part" && status=1
+        ;;
+    esac
+done
+rm -rf .bench-scratch
+exit $status

@@ -1,0 +1,62 @@
+"""The transformers extractor's pipeline: unmasked right padding, views, early stop, hooks."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftflow.extract_transformers import TransformersExtractor, batches_by_token_budget
+from draftflow.extraction import Sample
+
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def samples(lengths):
+    generator = torch.Generator().manual_seed(1)
+    return [Sample(i, f"s{i}", torch.randint(0, 200, (n,), generator=generator).tolist()) for i, n in enumerate(lengths)]
+
+
+def test_right_padding_without_a_mask_matches_each_sample_alone(tiny_model):
+    """Batched rows are right-padded and run causally without a mask: real positions never
+    see the padding, so each sample's states are those of the sample run alone."""
+    batch = samples([40, 23, 7, 31])
+    extractor = TransformersExtractor(tiny_model, [1, 3, LAYERS], token_budget=4 * 40, device="cpu")
+    got = dict(((s.index, states) for s, states in extractor(batch)))
+    assert extractor.timings["batches"] == 1 and extractor.timings["padded_tokens"] == 4 * 40
+    alone = TransformersExtractor(tiny_model, [1, 3, LAYERS], token_budget=1, device="cpu")
+    for sample in batch:
+        (_, reference), = alone([sample])
+        assert got[sample.index].shape == (len(sample.token_ids), 3, 32)
+        torch.testing.assert_close(got[sample.index], reference, atol=1e-5, rtol=1e-4)
+
+
+def test_samples_are_contiguous_views_of_their_batch(tiny_model):
+    """write_sample's .contiguous() is then free: no copy per sample."""
+    extractor = TransformersExtractor(tiny_model, [2, LAYERS], token_budget=10_000, device="cpu")
+    items = list(extractor(samples([12, 30, 5])))
+    bases = {states.untyped_storage().data_ptr() for _, states in items}
+    assert len(bases) == 1
+    assert all(states.is_contiguous() for _, states in items)
+
+
+def test_stopping_early_and_removing_the_hooks(tiny_model):
+    many = samples([9] * 12)
+    extractor = TransformersExtractor(tiny_model, [1, LAYERS], token_budget=27, device="cpu")
+    stream = extractor(many)
+    first = [next(stream) for _ in range(4)]
+    stream.close()  # the consumer stopped (a kill, a failed write): nothing is left running
+    assert [s.index for s, _ in first] == [s.index for s in list(batches_by_token_budget(many, 27))[0]] + [3]
+    assert extractor.timings["batches"] == 2
+    hooks = sum(len(layer._forward_hooks) for layer in tiny_model.model.layers)
+    extractor.capture.remove()
+    assert sum(len(layer._forward_hooks) for layer in tiny_model.model.layers) == hooks - 2
+    assert not extractor.capture.captured
