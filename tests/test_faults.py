@@ -90,7 +90,7 @@ def test_server_on_a_taken_port_fails_with_its_log(tmp_path, demo_run):
             with vllm_server(target, ["--enforce-eager", "--dtype", "float32"], tmp_path / "server.log", port=port, health_timeout_s=300):
                 pass
     assert "Last lines of" in str(error.value)
-    assert subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True).returncode == 1
+    assert subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True).returncode == 1
 
 
 def test_generation_fails_above_the_error_budget_and_keeps_answers(tmp_path):
