@@ -35,6 +35,7 @@ def regenerate(
     chat_url: str, conversations: Path, partial: Path, settings: GenerationSettings
 ) -> None:
     """Run speculators' client, appending to ``partial`` and resuming from it."""
+    drop_torn_last_line(partial)
     sampling = {"temperature": settings.temperature, "seed": settings.seed}
     command = [
         sys.executable, "-m", "speculators", "regenerate-responses",
@@ -48,6 +49,17 @@ def regenerate(
         "--sampling-params", json.dumps(sampling),
     ]  # fmt: skip
     subprocess.run(command, check=True)
+
+
+def drop_torn_last_line(path: Path) -> None:
+    """Cut a last line that a kill left without its newline: appending after it
+    would glue the next row onto it and lose both."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as stream:
+        data = stream.read()
+        if not data.endswith(b"\n"):
+            stream.truncate(data.rfind(b"\n") + 1)
 
 
 def errors_path(partial: Path) -> Path:

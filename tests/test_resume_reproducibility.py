@@ -49,7 +49,7 @@ def repeat_run(workdir, demo_run):
     """The demo config under another run name, killed twice along the way."""
     config = demo_config(run="repeat")
     results = workdir / "results/repeat"
-    partial = results / "synthetic/work/generated-*.jsonl"
+    partial = results / "synthetic/work/generated-????????????????.jsonl"  # not .errors.jsonl
     kill_when(start_workflow(workdir, config), lambda: lines(partial) >= 40)
     answered_before_kill = lines(partial)
     checkpoint = results / "train/work/checkpoint.pt"
