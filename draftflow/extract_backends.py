@@ -19,6 +19,7 @@ def open_extractor(backend: str, target: str, layer_ids: list[int], options: dic
             device=options["device"],
             token_budget=options["token_budget"],
             trust_remote_code=options["trust_remote_code"],
+            compile_layers=options["compile"],
         )
     if backend == "vllm":
         from draftflow.extract_vllm import vllm_extractor

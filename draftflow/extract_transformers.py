@@ -1,8 +1,41 @@
-"""In-process extraction backend: one forward pass of the target per batch, no logits."""
+"""In-process extraction backend: one forward pass of the target per batch, no logits.
+
+On a GPU the extractor is a pipeline, so the card never waits for the disk
+and the disk never waits for the card:
+
+- samples are sorted by length and batched by ``token_budget`` padded tokens;
+- rows are right-padded and run without an attention mask: under causal
+  attention a real position never sees the padding after it, so its states
+  are exactly those of the unpadded sample, and the fast causal kernel runs;
+- only the decoder runs (no lm_head, no logits); forward hooks keep the
+  chosen layers, stacked on the GPU into ``[batch, seq, n_layer_ids, hidden]``;
+- that block is copied to pinned host memory on a side stream
+  (asynchronous device-to-host copy) while the next batch is already queued
+  on the compute stream: ``in_flight`` batches are launched ahead of the one
+  whose samples are being handed out, and the consumer (``run_shard``
+  writing files) works on batch i while the GPU computes batch i+1
+  (transformers synchronizes with the GPU at the start of each forward, a
+  packed-sequence check, so a launch waits for the batch before it; the
+  overlap of GPU work with the consumer's writes is what this buys);
+- with ``compile_layers`` each decoder layer's body is compiled
+  (``torch.compile``, dynamic shapes: one graph serves every batch shape and
+  every layer), which fuses the norms, rotary embedding and activation
+  around the matrix multiplies; the hooks stay outside the compiled code;
+- each sample is handed out as a view of its batch's pinned block (no copy);
+  the block goes back to PyTorch's pinned-memory cache once every view of it
+  is gone, so a consumer that keeps samples for a while (writes on threads)
+  is safe.
+
+``TransformersExtractor.timings`` says where the wall time went: seconds the
+generator waited for the GPU (forward + copy), seconds the consumer held
+control (writing files), and seconds spent launching batches.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import time
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -51,34 +84,89 @@ class LayerCapture:
         return hook
 
     def stacked(self) -> torch.Tensor:
-        """[batch, seq, n_layer_ids, hidden] in the order of ``layer_ids``."""
-        return torch.stack([self.captured[k] for k in self.layer_ids], dim=2)
+        """[batch, seq, n_layer_ids, hidden] in the order of ``layer_ids``; drops the captures."""
+        states = torch.stack([self.captured[k] for k in self.layer_ids], dim=2)
+        self.captured.clear()
+        return states
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class _Launched:
+    """A batch whose forward pass (and, on a GPU, its copy to the host) is queued."""
+
+    __slots__ = ("batch", "lengths", "states", "copied")
+
+    def __init__(self, batch: list[Sample], lengths: list[int], states: torch.Tensor, copied):
+        self.batch = batch
+        self.lengths = lengths
+        self.states = states  # on the host once ``copied`` has completed
+        self.copied = copied  # a CUDA event, or None on the CPU
 
 
 class TransformersExtractor:
-    def __init__(self, model, layer_ids: list[int], token_budget: int, device: str):
+    def __init__(self, model, layer_ids: list[int], token_budget: int, device: str, in_flight: int = 2):
         self.decoder = model.get_decoder()
         self.capture = LayerCapture(self.decoder, layer_ids)
         self.token_budget = token_budget
-        self.device = device
+        self.device = torch.device(device)
+        self.on_gpu = self.device.type == "cuda"
+        self.in_flight = max(1, in_flight) if self.on_gpu else 1  # on a CPU nothing overlaps
+        self.copy_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
+        self.timings = {"launch_s": 0.0, "wait_gpu_s": 0.0, "consumer_s": 0.0, "batches": 0, "padded_tokens": 0}
+
+    def _launch(self, batch: list[Sample]) -> _Launched:
+        lengths = [len(s.token_ids) for s in batch]
+        input_ids = torch.zeros(len(batch), max(lengths), dtype=torch.long, pin_memory=self.on_gpu)
+        for row, sample in enumerate(batch):
+            input_ids[row, : lengths[row]] = torch.as_tensor(sample.token_ids, dtype=torch.long)
+        # Right padding, causal attention and no mask: real positions never attend to
+        # the padding after them, so their states equal those of the unpadded sample.
+        self.decoder(input_ids=input_ids.to(self.device, non_blocking=True), use_cache=False)
+        states = self.capture.stacked()
+        self.timings["batches"] += 1
+        self.timings["padded_tokens"] += states.shape[0] * states.shape[1]
+        if not self.on_gpu:
+            return _Launched(batch, lengths, states, None)
+        host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            host.copy_(states, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+        states.record_stream(self.copy_stream)  # the allocator keeps it until the copy is done
+        return _Launched(batch, lengths, host, copied)
 
     @torch.inference_mode()
     def __call__(self, samples: list[Sample]) -> Iterator[tuple[Sample, torch.Tensor]]:
-        for batch in batches_by_token_budget(samples, self.token_budget):
-            lengths = [len(s.token_ids) for s in batch]
-            input_ids = torch.zeros(len(batch), max(lengths), dtype=torch.long)
-            attention_mask = torch.zeros_like(input_ids)
-            for row, sample in enumerate(batch):
-                input_ids[row, : lengths[row]] = torch.tensor(sample.token_ids)
-                attention_mask[row, : lengths[row]] = 1
-            self.decoder(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask.to(self.device),
-                use_cache=False,
-            )
-            states = self.capture.stacked().cpu()
-            for row, sample in enumerate(batch):
-                yield sample, states[row, : lengths[row]]
+        batches = batches_by_token_budget(samples, self.token_budget)
+        launched: deque[_Launched] = deque()
+        timings = self.timings
+        while True:
+            started = time.perf_counter()
+            while len(launched) < self.in_flight and (batch := next(batches, None)) is not None:
+                launched.append(self._launch(batch))
+            timings["launch_s"] += time.perf_counter() - started
+            if not launched:
+                return
+            ready = launched.popleft()
+            if ready.copied is not None:
+                started = time.perf_counter()
+                ready.copied.synchronize()
+                timings["wait_gpu_s"] += time.perf_counter() - started
+            for row, sample in enumerate(ready.batch):
+                handed = time.perf_counter()
+                yield sample, ready.states[row, : ready.lengths[row]]
+                timings["consumer_s"] += time.perf_counter() - handed
+            del ready
+
+
+def compile_decoder_layers(decoder: torch.nn.Module) -> None:
+    """Compile each layer's ``forward``, not the module: forward hooks run around it, uncompiled."""
+    for layer in decoder.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
 @contextlib.contextmanager
@@ -90,14 +178,18 @@ def transformers_extractor(
     device: str,
     token_budget: int,
     trust_remote_code: bool = False,
+    compile_layers: bool = False,
+    in_flight: int = 2,
 ) -> Iterator[TransformersExtractor]:
     model = AutoModelForCausalLM.from_pretrained(
         model_path, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code
     )
     model.to(device).eval()
+    if compile_layers:
+        compile_decoder_layers(model.get_decoder())
     try:
-        yield TransformersExtractor(model, layer_ids, token_budget, device)
+        yield TransformersExtractor(model, layer_ids, token_budget, device, in_flight)
     finally:
         del model
-        if device == "cuda":
+        if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()

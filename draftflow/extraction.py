@@ -7,7 +7,9 @@ import json
 import os
 import shutil
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -160,8 +162,18 @@ def run_shard(
     heartbeat_path: Path,
     settings: ExtractionSettings,
     open_extractor: Callable[[], AbstractContextManager[Extractor]],
+    writers: int = 8,
 ) -> list[WrittenFile]:
-    """Extract every sample of a shard that is not already on disk."""
+    """Extract every sample of a shard that is not already on disk.
+
+    ``writers`` threads write the files (serialize, sha256, fsync, rename) while
+    the extractor computes the next ones (``writers=0``: each file is written and
+    journaled before the next sample is asked for). This thread journals each record, in
+    order, only after its file was written, fsynced and renamed; at most
+    ``2 * writers`` samples are in flight. When a write or the extractor fails,
+    the writes under way are finished and journaled first, so the files on disk
+    are exactly those the journal lists.
+    """
     shard_dir.mkdir(parents=True, exist_ok=True)
     journal = ShardJournal(shard_dir, settings)
     done = journal.completed()
@@ -172,16 +184,47 @@ def run_shard(
         heartbeat.add(record)
     todo = [s for s in samples if s.index not in done]
     print(f"shard {shard}: {len(done)} of {len(samples)} samples already on disk")
+
+    def now(function, *args) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(function(*args))
+        except Exception as error:  # noqa: BLE001 - raised by finish()
+            future.set_exception(error)
+        return future
+
+    def finish(future: Future) -> None:
+        record = future.result()  # on disk: written, fsynced, renamed (or the write's error)
+        journal.append(record)
+        heartbeat.add(record)
+        done[record.index] = record
+
+    def drain(pending: deque) -> BaseException | None:
+        failure = None
+        while pending:
+            try:
+                finish(pending.popleft())
+            except Exception as error:  # noqa: BLE001 - the first one is raised by the caller
+                failure = failure or error
+        return failure
+
     try:
         heartbeat.set_status("loading")
-        with open_extractor() as extract:
+        with open_extractor() as extract, ThreadPoolExecutor(max(writers, 1), thread_name_prefix="write") as pool:
             heartbeat.set_status("running")
-            for sample, hidden_states in extract(todo):
-                token_ids = torch.tensor(sample.token_ids, dtype=torch.int64)
-                record = write_sample(shard_dir, sample.index, sample.sample_id, hidden_states, token_ids)
-                journal.append(record)
-                heartbeat.add(record)
-                done[sample.index] = record
+            submit = pool.submit if writers else now
+            pending: deque[Future] = deque()
+            try:
+                for sample, hidden_states in extract(todo):
+                    token_ids = torch.tensor(sample.token_ids, dtype=torch.int64)
+                    pending.append(submit(write_sample, shard_dir, sample.index, sample.sample_id, hidden_states, token_ids))
+                    while pending and (pending[0].done() or len(pending) >= 2 * writers):
+                        finish(pending.popleft())
+            except BaseException:
+                drain(pending)
+                raise
+            if failure := drain(pending):
+                raise failure
     except BaseException:
         heartbeat.set_status("failed")
         raise

@@ -23,6 +23,8 @@ def draftflow_imports(path: Path) -> set[Path]:
         tree = ast.parse(pending.pop().read_text())
         for node in ast.walk(tree):
             names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            if isinstance(node, ast.ImportFrom) and node.module == "draftflow":  # from draftflow import module
+                names += [f"draftflow.{alias.name}" for alias in node.names]
             names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
             for name in names:
                 if name.startswith("draftflow."):

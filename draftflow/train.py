@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from draftflow import trainer_launch
 from draftflow.io import atomic_path, write_json
 
 
@@ -216,14 +217,29 @@ def save_drafter(model: Eagle3DraftModel, output: Path) -> None:
 def train_with_trainer(
     init_dir: Path, view_dir: Path, settings: TrainSettings, work_dir: Path, output: Path
 ) -> dict:
-    """speculators' Trainer under torchrun, one process per GPU."""
+    """speculators' Trainer under torchrun, one process per GPU.
+
+    ``draftflow.trainer_launch`` runs speculators' own entry point and keeps the
+    Trainer's per-step metric records and each rank's peak GPU memory in
+    ``work_dir/metrics.jsonl``, so the stats say what the CPU loop's say: steps,
+    losses and supervised tokens/s.
+    """
+    data_ratio = 0.99  # the Trainer trains on the view's first 99% of rows; the rest validates
+    metrics = work_dir / "metrics.jsonl"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    metrics.unlink(missing_ok=True)
     started = time.monotonic()
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={settings.gpus}",
-        "-m", "speculators.train",
+        "-m", trainer_launch.__name__, str(metrics),
         "--speculator-type", "eagle3",
         "--from-pretrained", str(init_dir),
         "--verifier-name-or-path", drafter_identity(init_dir)[0],
+        "--draft-attn-impl", settings.attention,
+        # the CPU loop's recipe, so train.lr and warmup mean the same on both devices
+        # (speculators' defaults are Muon, at its own learning rate, and a linear schedule)
+        "--optimizer", "adamw",
+        "--scheduler-type", "cosine",
         "--ttt-steps", str(settings.ttt_steps),
         "--ttt-step-loss-decay", str(settings.ttt_step_loss_decay),
         "--loss-fn", settings.loss_fn,
@@ -237,13 +253,46 @@ def train_with_trainer(
         "--scheduler-warmup-steps", str(settings.warmup_steps),
         "--total-seq-len", str(settings.seq_length),
         "--on-missing", "raise",
-        "--train-data-ratio", "0.99",
+        "--train-data-ratio", str(data_ratio),
+        "--log-dir", str(work_dir / "logs"),
     ]  # fmt: skip
     subprocess.run(command, check=True)
+    seconds = time.monotonic() - started
     final = max((work_dir / "checkpoints").glob("[0-9]*"), key=lambda p: int(p.name))
     with atomic_path(output) as tmp:
         shutil.copytree(final, tmp)
-    return {"epochs": settings.epochs, "seconds_this_run": time.monotonic() - started, "trainer": "speculators Trainer"}
+    stats = {
+        "epochs": settings.epochs,
+        "seconds_this_run": seconds,
+        "trainer": f"speculators Trainer ({settings.gpus} process{'es' if settings.gpus > 1 else ''}, bf16 autocast)",
+    }
+    return stats | trainer_metrics(metrics, view_dir, settings, data_ratio)
+
+
+def trainer_metrics(metrics: Path, view_dir: Path, settings: TrainSettings, data_ratio: float) -> dict:
+    """Steps, losses, supervised tokens/s and peak GPU memory from ``trainer_launch``'s records."""
+    from datasets import load_from_disk
+
+    entries = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    steps = [e for e in entries if "step" in e]
+    peaks = [e["peak_memory_gib"] for e in entries if "peak_memory_gib" in e]
+    stats = {"peak_gpu_memory_gib": max(peaks)} if peaks else {}
+    if not steps:
+        return stats
+    profiles = [s["profile"] or {} for s in steps]
+    masks = load_from_disk(str(view_dir)).with_format(None)["loss_mask"]
+    supervised = sum(sum(mask) for mask in masks[: int(len(masks) * data_ratio)]) * settings.epochs
+    training_seconds = steps[-1]["time"] - steps[0]["time"] + profiles[0].get("step_ms", 0.0) / 1000
+    after_first = steps[-1]["time"] - steps[0]["time"]
+    tokens_after_first = settings.gpus * sum(p.get("tokens_per_s", 0.0) * p.get("step_ms", 0.0) / 1000 for p in profiles[1:])
+    return stats | {
+        "steps": steps[-1]["step"] + 1,
+        "final_loss": steps[-1]["loss"],
+        "loss_history": [{"step": s["step"] + 1, "epoch": s["epoch"], "loss": s["loss"]} for s in steps],
+        "training_seconds": training_seconds,
+        "supervised_tokens_per_second": supervised / training_seconds if training_seconds else 0.0,
+        "tokens_per_second_after_first_step": tokens_after_first / after_first if after_first else 0.0,
+    }
 
 
 def drafter_identity(drafter_dir: Path) -> tuple[str, list[int]]:

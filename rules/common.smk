@@ -64,6 +64,7 @@ def extract_backend_options():
         "device": config["device"],
         "trust_remote_code": config["target"]["trust_remote_code"],
         "token_budget": config["extract"]["token_budget"],
+        "compile": config["extract"]["compile"],
         "concurrency": config["extract"]["concurrency"],
         "max_retries": config["extract"]["max_retries"],
         "server": vllm_server_params(),

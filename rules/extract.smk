@@ -51,6 +51,7 @@ rule extract_shard:
         output_dir=lambda wildcards, output: Path(output[0]).parent,
         backend=config["extract"]["backend"],
         backend_options=extract_backend_options(),
+        write_threads=config["extract"]["write_threads"],
     script:
         "../scripts/extract_shard.py"
 

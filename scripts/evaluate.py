@@ -1,11 +1,17 @@
 from pathlib import Path
 
+import torch._dynamo
 from datasets import load_from_disk
 
 from draftflow.evaluate import TargetHead, check_layer_ids, evaluate, plot_acceptance
 from draftflow.io import read_json, write_json
 from draftflow.rule_log import logged
 from draftflow.train import load_drafter
+
+# speculators compiles the drafter's forward whenever CUDA is available; evaluation runs it on
+# CPU tensors, where inductor's generated C++ did not build (H200 image, torch 2.11). Evaluate
+# without compiling, as on a machine without CUDA.
+torch._dynamo.config.disable = True
 
 params = snakemake.params
 with logged(snakemake.log[0]):

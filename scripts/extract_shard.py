@@ -27,6 +27,7 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
         Path(params.output_dir) / f"shard-{shard}.heartbeat.json",
         settings,
         partial(open_extractor, params.backend, target, plan["layer_ids"], params.backend_options, Path(snakemake.log.server)),
+        writers=params.write_threads,
     )
     manifest = shard_manifest(shard, plan["num_shards"], records, settings, plan["hidden_size"], target)
     write_json(snakemake.output.manifest, manifest)

@@ -1,5 +1,8 @@
 """Extraction pieces on a tiny random Llama: layer semantics, batching, resume."""
 
+import contextlib
+import hashlib
+import itertools
 import json
 
 import pytest
@@ -8,8 +11,8 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftflow.extract_transformers import batches_by_token_budget, transformers_extractor
-from draftflow.extraction import ExtractionSettings, Sample, plan_extraction, run_shard, shard_of
-from draftflow.hidden_states import expected_bytes
+from draftflow.extraction import ExtractionSettings, Sample, ShardJournal, plan_extraction, run_shard, shard_of
+from draftflow.hidden_states import expected_bytes, write_sample
 from draftflow.layers import resolve_layer_ids
 
 LAYERS = 8
@@ -116,3 +119,50 @@ def test_expected_bytes_is_exact_up_to_the_header():
 
     payload = save({"hidden_states": torch.zeros(37, 4, 64), "token_ids": torch.zeros(37, dtype=torch.int64)})
     assert 0 <= expected_bytes(37, 4, 64, "float32") - len(payload) <= 256
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_files_are_the_bytes_safetensors_writes(tmp_path, dtype):
+    from safetensors.torch import save
+
+    states, token_ids = torch.randn(37, 4, 64).to(dtype), torch.randint(0, 300, (37,))
+    record = write_sample(tmp_path, 7, "s7", states, token_ids)
+    written = (tmp_path / "hs_7.safetensors").read_bytes()
+    assert written == save({"hidden_states": states, "token_ids": token_ids})
+    assert record.bytes == len(written) and record.sha256 == hashlib.sha256(written).hexdigest()
+
+
+class ExtractorFails(RuntimeError):
+    pass
+
+
+def test_threaded_writes_journal_exactly_the_files_on_disk_when_extraction_fails(tiny_target, tmp_path):
+    """Writer threads may finish out of order; the journal must still list exactly the renamed files."""
+    layer_ids = resolve_layer_ids(None, LAYERS)
+    samples = make_samples(12)
+    settings = ExtractionSettings("transformers", tuple(layer_ids), "float32", "fp")
+
+    @contextlib.contextmanager
+    def failing_after(count):
+        with transformers_extractor(str(tiny_target), layer_ids, dtype="float32", device="cpu", token_budget=256) as extract:
+            def extract_then_fail(todo):
+                yield from itertools.islice(extract(todo), count)
+                raise ExtractorFails("target died")
+
+            yield extract_then_fail
+
+    shard_dir = tmp_path / "shard-0"
+    with pytest.raises(ExtractorFails):
+        run_shard(samples, 0, shard_dir, tmp_path / "hb.json", settings, lambda: failing_after(5), writers=4)
+    journaled = set(ShardJournal(shard_dir, settings).completed())
+    assert {int(p.stem[3:]) for p in shard_dir.glob("hs_*.safetensors")} == journaled and len(journaled) == 5
+    assert json.loads((tmp_path / "hb.json").read_text())["status"] == "failed"
+
+    def open_extractor():
+        return transformers_extractor(str(tiny_target), layer_ids, dtype="float32", device="cpu", token_budget=256)
+
+    resumed = run_shard(samples, 0, shard_dir, tmp_path / "hb.json", settings, open_extractor, writers=4)
+    assert [r.index for r in resumed] == [s.index for s in samples]
+    threaded = run_shard(samples, 0, tmp_path / "threaded", tmp_path / "hb2.json", settings, open_extractor, writers=4)
+    serial = run_shard(samples, 0, tmp_path / "serial", tmp_path / "hb3.json", settings, open_extractor, writers=0)
+    assert [r.sha256 for r in threaded] == [r.sha256 for r in serial]

@@ -97,7 +97,7 @@ class Run:
         samples = shard_samples(self.samples, shard, self.num_shards)
         paths = self.hs_dir / f"shard-{shard}", self.hs_dir / f"shard-{shard}.heartbeat.json"
         try:
-            records = run_shard(samples, shard, *paths, settings, open_extractor)
+            records = run_shard(samples, shard, *paths, settings, open_extractor, writers=0)  # stops at exact counts
         except Stopped:
             return
         manifest = shard_manifest(shard, self.num_shards, records, settings, HIDDEN, str(self.target))

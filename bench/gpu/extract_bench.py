@@ -10,11 +10,12 @@ One run measures, in this order, on the machine it runs on:
 3. ``write``: ``write_sample`` alone on host tensors, 1 thread and --writers;
 4. ``baseline``: the simplest loop (batch of one, ``output_hidden_states=True``,
    logits computed, ``.cpu()``, ``safetensors.save_file`` per sample);
-5. ``backend``: ``draftflow.extraction.run_shard`` with the extractor (the
-   workflow's path, synchronous writes: serialize, sha256, fsync, rename,
-   journal);
-6. ``backend_concurrent``: the same with the writes on --writers threads
-   (bench/gpu/concurrent_run_shard.py, the change proposed for run_shard);
+5. ``backend_eager``: ``draftflow.extraction.run_shard`` with the extractor
+   (the workflow's path: files written on --writers threads, each serialized,
+   hashed, fsynced, renamed and journaled), decoder layers not compiled;
+6. the decoder layers compiled (``extract.compile: true``; the compile time is
+   reported, not timed in the runs), then ``compute`` and ``backend`` again:
+   ``backend`` is the workflow's GPU path and the number BENCHMARKS.md reports;
 7. the disk again, to see that it did not change under the runs.
 
 Every timed region ends with ``os.sync()``. The target is a Llama of the
@@ -53,8 +54,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-import concurrent_run_shard  # noqa: E402
-from draftflow.extract_transformers import TransformersExtractor  # noqa: E402
+from draftflow.extract_transformers import TransformersExtractor, compile_decoder_layers  # noqa: E402
 from draftflow.extraction import ExtractionSettings, Sample, run_shard  # noqa: E402
 from draftflow.hidden_states import write_sample  # noqa: E402
 from draftflow.layers import resolve_layer_ids  # noqa: E402
@@ -165,7 +165,7 @@ def result_of(name: str, tokens: int, written: int, seconds: float, **extra) -> 
             "tok_s": tokens / seconds, "gb_s": written / seconds / 1e9, **extra}  # fmt: skip
 
 
-def run_compute(model, samples, layer_ids, args, device) -> dict:
+def run_compute(model, samples, layer_ids, args, device, name: str = "compute") -> dict:
     holder: dict = {}
     sync_device(device)
     started = time.perf_counter()
@@ -173,7 +173,7 @@ def run_compute(model, samples, layer_ids, args, device) -> dict:
         tokens = sum(states.shape[0] for _, states in extract(samples))
     sync_device(device)
     seconds = time.perf_counter() - started
-    return result_of("compute", tokens, 0, seconds, timings=holder["extractor"].timings)
+    return result_of(name, tokens, 0, seconds, timings=holder["extractor"].timings)
 
 
 def run_write_only(samples, num_layers, hidden, writers, scratch) -> dict:
@@ -291,20 +291,21 @@ def run_baseline(model, samples, layer_ids, device, directory: Path) -> dict:
     return result_of("baseline", sum(len(s.token_ids) for s in samples), written, seconds)
 
 
-def run_backend(name, shard_fn, model, samples, layer_ids, args, device, directory: Path, **kwargs) -> tuple[dict, list]:
+def run_backend(name, model, samples, layer_ids, args, device, directory: Path, token_budget: int | None = None) -> dict:
+    token_budget = token_budget or args.token_budget
     holder: dict = {}
     settings = ExtractionSettings("transformers", tuple(layer_ids), "bfloat16" if args.dtype == "bfloat16" else args.dtype, "bench")
     os.sync()
     sync_device(device)
     started = time.perf_counter()
-    records = shard_fn(
+    records = run_shard(
         samples, 0, directory / "shard-0", directory / "shard-0.heartbeat.json", settings,
-        lambda: extractor_of(model, layer_ids, args.token_budget, device, args.in_flight, holder), **kwargs,
+        lambda: extractor_of(model, layer_ids, token_budget, device, args.in_flight, holder), writers=args.writers,
     )  # fmt: skip
     os.sync()
     seconds = time.perf_counter() - started
     tokens, written = sum(r.tokens for r in records), sum(r.bytes for r in records)
-    return result_of(name, tokens, written, seconds, timings=holder["extractor"].timings, **kwargs), records
+    return result_of(name, tokens, written, seconds, timings=holder["extractor"].timings, writers=args.writers, token_budget=token_budget)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -366,13 +367,13 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128, help="at most this many samples (fewer when the disk is slow, see --run-seconds)")
     parser.add_argument("--mean-tokens", type=int, default=2000)
     parser.add_argument("--token-budget", type=int, default=32768, help="extract.token_budget (the schema's default)")
+    parser.add_argument("--token-budget-sweep", default="8192,16384", help="also run the compiled backend at these token budgets")
     parser.add_argument("--in-flight", type=int, default=2)
-    parser.add_argument("--writers", type=int, default=8, help="writer threads of the proposed run_shard (and the disk test)")
-    parser.add_argument("--writer-sweep", default="4,16", help="also run the proposed run_shard with these writer counts")
+    parser.add_argument("--writers", type=int, default=8, help="run_shard's writer threads, extract.write_threads (and the disk test)")
     parser.add_argument("--run-seconds", type=float, default=25.0, help="size the runs so that one disk-bound run takes about this long")
     parser.add_argument("--disk-gb", type=float, default=3.0, help="bytes per disk-bandwidth measurement")
     parser.add_argument("--scratch", type=Path, default=REPO / ".bench-scratch")
-    parser.add_argument("--keep", action="store_true", help="keep the concurrent run's files (train_bench.py reads them)")
+    parser.add_argument("--keep", action="store_true", help="keep the backend run's files (train_bench.py reads them)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "bench/results")))
     args = parser.parse_args()
 
@@ -470,31 +471,40 @@ def main() -> None:
     runs["baseline"] = run_baseline(model, samples, layer_ids, device, args.scratch / "baseline")
     log(f"baseline: {runs['baseline']['tok_s']:,.0f} tok/s, {runs['baseline']['gb_s']:.3f} GB/s")
     save()
-    runs["backend"], records = run_backend("backend", run_shard, model, samples, layer_ids, args, device, args.scratch / "backend")
-    log(f"backend (run_shard, synchronous writes): {runs['backend']['tok_s']:,.0f} tok/s, {runs['backend']['gb_s']:.3f} GB/s {runs['backend']['timings']}")
+    runs["backend_eager"] = run_backend("backend_eager", model, samples, layer_ids, args, device, args.scratch / "backend_eager")
+    log(f"backend, layers not compiled: {runs['backend_eager']['tok_s']:,.0f} tok/s {runs['backend_eager']['timings']}")
+    shutil.rmtree(args.scratch / "backend_eager")
+    save()
+
+    started = time.perf_counter()
+    compile_decoder_layers(model.get_decoder())
+    run_compute(model, warm, layer_ids, args, device)
+    report["compile_seconds"] = round(time.perf_counter() - started, 1)
+    log(f"compiled the decoder layers in {report['compile_seconds']} s")
+    try:
+        report["compute_profile_compiled"] = profile_batch(
+            model, samples, layer_ids, args, device, decoder_params, model.get_decoder().embed_tokens.weight.numel()
+        )
+        log(f"compute profile, compiled (one batch): {report['compute_profile_compiled']}")
+    except Exception as error:  # noqa: BLE001
+        report["compute_profile_compiled"] = {"error": repr(error)}
+    runs["compute_compiled"] = run_compute(model, samples, layer_ids, args, device, name="compute_compiled")
+    log(f"compute only, compiled: {runs['compute_compiled']['tok_s']:,.0f} tok/s {runs['compute_compiled']['timings']}")
+    runs["backend"] = run_backend("backend", model, samples, layer_ids, args, device, args.scratch / "backend")
+    log(f"backend (the workflow's GPU path): {runs['backend']['tok_s']:,.0f} tok/s, {runs['backend']['gb_s']:.3f} GB/s {runs['backend']['timings']}")
+    save()
+    for budget in [int(b) for b in args.token_budget_sweep.split(",") if b and int(b) != args.token_budget]:
+        name = f"backend_token_budget_{budget}"
+        runs[name] = run_backend(name, model, samples, layer_ids, args, device, args.scratch / name, budget)
+        log(f"backend, token budget {budget}: {runs[name]['tok_s']:,.0f} tok/s {runs[name]['timings']}")
+        shutil.rmtree(args.scratch / name)
+        save()
     ordered = sorted(samples, key=lambda s: len(s.token_ids))
     checks = [ordered[0], ordered[len(ordered) // 2], ordered[-1]]
     report["correctness"] = compare_files(args.scratch / "backend/shard-0", args.scratch / "baseline", checks, len(layer_ids) - 1)
     log(f"correctness (backend vs batch-of-one baseline): {report['correctness']}")
     shutil.rmtree(args.scratch / "baseline")
-    shutil.rmtree(args.scratch / "backend")
-    os.sync()
     save()
-    sweep = [int(w) for w in args.writer_sweep.split(",") if w and int(w) != args.writers] + [args.writers]
-    identical = []
-    for writers in sweep:  # the chosen --writers last: its files stay for train_bench.py with --keep
-        shutil.rmtree(args.scratch / "backend_concurrent", ignore_errors=True)
-        os.sync()
-        name = "backend_concurrent" if writers == args.writers else f"backend_concurrent_{writers}"
-        runs[name], concurrent_records = run_backend(
-            name, concurrent_run_shard.run_shard, model, samples, layer_ids, args, device,
-            args.scratch / "backend_concurrent", writers=writers,
-        )  # fmt: skip
-        identical.append([r.sha256 for r in records] == [r.sha256 for r in concurrent_records])
-        log(f"backend (run_shard with {writers} writer threads): {runs[name]['tok_s']:,.0f} tok/s, "
-            f"{runs[name]['gb_s']:.3f} GB/s {runs[name]['timings']}")  # fmt: skip
-        save()
-    report["concurrent_files_identical"] = all(identical)
     report["disk_after"] = [disk_write(args.scratch, file_bytes, int(args.disk_gb * 1e9), args.writers)]
     log(f"disk after: {report['disk_after'][0]['gb_s']:.3f} GB/s")
 
@@ -502,14 +512,13 @@ def main() -> None:
         (args.scratch / "samples.json").write_text(json.dumps(
             [{"index": s.index, "sample_id": s.sample_id, "tokens": len(s.token_ids)} for s in samples]))  # fmt: skip
     else:
-        shutil.rmtree(args.scratch / "backend_concurrent")
+        shutil.rmtree(args.scratch / "backend")
 
     summary = {
         "extract_baseline_tok_s": runs["baseline"]["tok_s"],
         "extract_backend_tok_s": runs["backend"]["tok_s"],
-        "extract_backend_concurrent_writes_tok_s": runs["backend_concurrent"]["tok_s"],
+        "extract_backend_eager_tok_s": runs["backend_eager"]["tok_s"],
         "backend_over_baseline": runs["backend"]["tok_s"] / runs["baseline"]["tok_s"],
-        "backend_concurrent_over_baseline": runs["backend_concurrent"]["tok_s"] / runs["baseline"]["tok_s"],
     }
     if "roofline" in report:
         lower = report["roofline"]["lower_tok_s"]
@@ -517,7 +526,8 @@ def main() -> None:
             "roofline_compute_tok_s": report["roofline"]["compute_tok_s"],
             "roofline_disk_tok_s": report["roofline"]["disk_tok_s"],
             "backend_over_roofline": runs["backend"]["tok_s"] / lower,
-            "backend_concurrent_over_roofline": runs["backend_concurrent"]["tok_s"] / lower,
+            "backend_eager_over_roofline": runs["backend_eager"]["tok_s"] / lower,
+            "compute_compiled_over_compute_roofline": runs["compute_compiled"]["tok_s"] / report["roofline"]["compute_tok_s"],
         }
     report["summary"] = summary
     save()

@@ -67,7 +67,7 @@ for part in "${parts[@]}"; do
         ;;
     train)
         args=(--shape 8b --out "$OUT" --trainer-steps 20 --loop-steps 6 --warmup 3)
-        [ -f .bench-scratch/samples.json ] && args+=(--hs-dir .bench-scratch/backend_concurrent/shard-0)
+        [ -f .bench-scratch/samples.json ] && args+=(--hs-dir .bench-scratch/backend/shard-0)
         timeout "$(left ${TRAIN_TIMEOUT:-360})" python3 bench/gpu/train_bench.py "${args[@]}" 2>&1 | tee "$OUT/train.log" || status=1
         ;;
     workflow)

@@ -25,7 +25,7 @@ lm_head and norm weights (all that the drafter reads from a verifier). The
 hidden states are the files extract_bench.py kept (``--hs-dir``), or random
 ones written here when none are given.
 
-    python3 bench/gpu/train_bench.py --shape 8b --hs-dir .bench-scratch/backend_concurrent/shard-0 --out $OUT
+    python3 bench/gpu/train_bench.py --shape 8b --hs-dir .bench-scratch/backend/shard-0 --out $OUT
     .venv/bin/python bench/gpu/train_bench.py --shape tiny --device cpu --seq-length 1024 --trainer-steps 0 --loop-steps 4 --warmup 1
 """
 

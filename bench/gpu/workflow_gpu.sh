@@ -34,13 +34,8 @@ sm=(python3 -m snakemake --cores "$cores" --resources gpu=1 --configfile bench/g
 } >"$OUT/workflow.log" 2>&1
 grep -E "^(total|[a-z_]+ +[0-9]+$)|Job stats|^job" "$OUT/workflow.log" | tail -15
 started=$(date +%s)
-"${sm[@]}" extract train >>"$OUT/workflow.log" 2>&1
+"${sm[@]}" extract evaluate >>"$OUT/workflow.log" 2>&1
 status=$?
-# evaluate runs the drafter on CPU tensors, and speculators compiles the drafter's forward
-# whenever CUDA is available; inductor's CPU code generation failed there (torch 2.11,
-# 2026-11-29, BENCHMARKS.md). Until scripts/evaluate.py turns dynamo off itself, run it
-# without dynamo, as it runs on a machine without CUDA.
-[ $status -eq 0 ] && { TORCHDYNAMO_DISABLE=1 "${sm[@]}" evaluate >>"$OUT/workflow.log" 2>&1; status=$?; }
 echo "workflow exit status $status after $(($(date +%s) - started)) s" | tee -a "$OUT/workflow.log"
 tail -25 "$OUT/workflow.log"
 python3 ../bench/gpu/workflow_report.py results/gpu benchmarks/gpu --out "$OUT/workflow_report.md" || status=1

@@ -1,0 +1,61 @@
+"""speculators' training entry point, keeping what draftflow reports about the run.
+
+Run by ``draftflow.train.train_with_trainer`` under torchrun as
+``-m draftflow.trainer_launch METRICS_JSONL <speculators train flags>``. Rank 0
+appends the Trainer's per-step metric records to METRICS_JSONL; every rank
+appends its peak GPU memory at the end.
+"""
+
+import json
+import logging
+import os
+import sys
+import time
+
+
+class StepRecords(logging.Handler):
+    """Keeps the Trainer's per-step metric records (dicts logged to ``speculators.metrics``)."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        metrics = record.msg
+        if isinstance(metrics, dict) and "train" in metrics and "global_step" in metrics:
+            step = {
+                "time": time.time(),
+                "step": metrics["global_step"],
+                "epoch": metrics.get("epoch"),
+                "loss": metrics["train"].get("loss"),
+                "profile": metrics.get("profile"),
+            }
+            append_json_line(self.path, step)
+
+
+def append_json_line(path: str, entry: dict) -> None:
+    with open(path, "a") as stream:
+        stream.write(json.dumps(entry) + "\n")
+
+
+def main() -> None:
+    import speculators.train.cli as cli
+    import torch
+    from speculators.train.config import TrainConfig
+
+    metrics_path, rank = sys.argv[1], int(os.environ.get("RANK", "0"))
+    setup_metric_logger = cli.setup_metric_logger
+
+    def setup_and_keep_steps(*args, **kwargs):
+        setup_metric_logger(*args, **kwargs)
+        if rank == 0:
+            logging.getLogger("speculators.metrics").addHandler(StepRecords(metrics_path))
+
+    cli.setup_metric_logger = setup_and_keep_steps
+    cli.main(TrainConfig.resolve(sys.argv[2:]))
+    if torch.cuda.is_available():
+        append_json_line(metrics_path, {"rank": rank, "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30})
+
+
+if __name__ == "__main__":  # the data loader's spawned workers import this module
+    main()
