@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from draftflow.hidden_states import file_name
+from draftflow.file_names import file_name
 from draftflow.plots import pyplot, save_png
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from datasets import load_from_disk
 
-from draftflow.hidden_states import WrittenFile, expected_bytes, file_name, write_sample
+from draftflow.file_names import file_name
+from draftflow.hidden_states import WrittenFile, expected_bytes, write_sample
 from draftflow.io import write_json
 
 

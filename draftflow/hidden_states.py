@@ -17,14 +17,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from draftflow.file_names import file_name
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 TOKEN_ID_BYTES = 8  # int64
 HEADER_BYTES_MAX = 256  # safetensors' JSON header for these two tensors
-
-
-def file_name(index: int) -> str:
-    return f"hs_{index}.safetensors"
 
 
 def expected_bytes(tokens: int, num_layer_ids: int, hidden_size: int, dtype: str) -> int:

@@ -32,6 +32,8 @@ from typing import TextIO
 
 import yaml
 
+from draftflow.file_names import file_name
+
 ON_TRACK, WILL_NOT_FIT, FAILED_SHARD, STALLED = 0, 3, 4, 5
 EXIT_CODES = {
     ON_TRACK: "on track (or finished)",
@@ -179,10 +181,6 @@ class Report:
 def hidden_states_dir(path: Path) -> Path:
     """Accept ``results/<run>`` or ``results/<run>/hidden_states``."""
     return path if (path / "plan.json").exists() else path / "hidden_states"
-
-
-def file_name(index: int) -> str:
-    return f"hs_{index}.safetensors"  # as draftflow.hidden_states.file_name
 
 
 def read_json_or_none(path: Path) -> dict | None:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from datasets import load_from_disk
 
-from draftflow.hidden_states import file_name, opens_cleanly
+from draftflow.file_names import file_name
+from draftflow.hidden_states import opens_cleanly
 from draftflow.io import atomic_path, read_json
 
 
