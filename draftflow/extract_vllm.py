@@ -23,7 +23,7 @@ from speculators.data_generation.offline import check_hidden_states
 from speculators.data_generation.vllm_client import generate_hidden_states, wait_for_lock
 
 from draftflow.extraction import Sample
-from draftflow.vllm_server import vllm_server
+from draftflow.vllm_server import ServerGoneError, log_tail, vllm_server
 
 CPU_CONNECTOR = {
     "kv_connector": "CPUHiddenStatesConnector",
@@ -51,16 +51,28 @@ def extraction_server_args(layer_ids: list[int], staging_dir: Path, device: str)
 
 
 class VllmExtractor:
-    def __init__(self, base_url: str, model: str, concurrency: int, max_retries: int):
+    def __init__(
+        self, base_url: str, model: str, concurrency: int, max_retries: int, server_log: Path
+    ):
         self.client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0)
+        self.base_url = base_url
         self.model = model
         self.concurrency = concurrency
         self.max_retries = max_retries
+        self.server_log = server_log
 
     def fetch(self, sample: Sample) -> tuple[Sample, torch.Tensor]:
-        path, _ = generate_hidden_states(
-            self.client, self.model, {"input_ids": sample.token_ids}, max_retries=self.max_retries
-        )
+        try:
+            path, _ = generate_hidden_states(
+                self.client, self.model, {"input_ids": sample.token_ids}, max_retries=self.max_retries
+            )
+        except openai.APIConnectionError as error:
+            raise ServerGoneError(
+                f"The vLLM server at {self.base_url} died during extraction: sample "
+                f"{sample.sample_id} got no answer, retried with backoff (extract.max_retries="
+                f"{self.max_retries}): {error} The files finished before stay journaled; rerun "
+                f"to resume the shard. Last lines of {self.server_log}:\n{log_tail(self.server_log, 10)}"
+            ) from error
         if Path(f"{path}.lock").exists():
             wait_for_lock(f"{path}.lock")
         payload = load_file(path)
@@ -95,6 +107,6 @@ def vllm_extractor(
     args = [*server["args"], *extraction_server_args(layer_ids, staging_dir, device)]
     try:
         with vllm_server(model_path, log_path=server_log, **{**server, "args": args}) as url:
-            yield VllmExtractor(url, model_path, concurrency, max_retries)
+            yield VllmExtractor(url, model_path, concurrency, max_retries, server_log)
     finally:
         shutil.rmtree(staging_dir, ignore_errors=True)

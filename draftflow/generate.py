@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
+from speculators.data_generation.vllm_client import RETRY_BACKOFF_BASE
 from transformers import AutoTokenizer
 
 from draftflow.auth_proxy import api_key_from_env, authenticating_proxy
 from draftflow.io import iter_jsonl, write_json, write_jsonl
+from draftflow.vllm_server import ServerGoneError, is_healthy, log_tail
 
 
 @dataclass(frozen=True)
@@ -32,12 +34,45 @@ class GenerationSettings:
 
 
 def regenerate(
-    chat_url: str, conversations: Path, partial: Path, settings: GenerationSettings
+    base_url: str,
+    conversations: Path,
+    partial: Path,
+    settings: GenerationSettings,
+    server_log: Path | None = None,
 ) -> None:
-    """Run speculators' client, appending to ``partial`` and resuming from it."""
+    """Run speculators' client, appending to ``partial`` and resuming from it.
+
+    ``server_log`` marks a server draftflow started: it is watched meanwhile, and
+    once it has been down longer than the client's retries with backoff last,
+    the client is stopped and the rule fails, rather than every remaining
+    conversation failing into the errors file and counting against the budget.
+    """
     drop_torn_last_line(partial)
+    server_up = (lambda: is_healthy(base_url)) if server_log else (lambda: True)
+    command = client_command(f"{base_url}/v1/chat/completions", conversations, partial, settings)
+    with subprocess.Popen(command) as client:
+        try:
+            server_stayed = client_finished(client, server_up, retry_window_s(settings.max_retries))
+        finally:
+            client.kill()  # a no-op once it ended; on SIGTERM it must not outlive the rule
+    if not server_stayed:
+        drop_torn_last_line(partial)
+        answered = len({row["primary_id"] for row in iter_jsonl(partial)}) if partial.exists() else 0
+        raise ServerGoneError(
+            f"The vLLM server at {base_url} died during generation: it stayed down past the "
+            f"client's retries with backoff (generate.max_retries={settings.max_retries}). The "
+            f"{answered} conversations answered so far are kept in {partial}; rerun to ask "
+            f"only the others. Last lines of {server_log}:\n{log_tail(server_log, 10)}"
+        )
+    if client.returncode:
+        raise subprocess.CalledProcessError(client.returncode, client.args)
+
+
+def client_command(
+    chat_url: str, conversations: Path, partial: Path, settings: GenerationSettings
+) -> list[str]:
     sampling = {"temperature": settings.temperature, "seed": settings.seed}
-    command = [
+    return [
         sys.executable, "-m", "speculators", "regenerate-responses",
         "--endpoint", chat_url,
         "--dataset", str(conversations),
@@ -48,7 +83,28 @@ def regenerate(
         "--max-retries", str(settings.max_retries),
         "--sampling-params", json.dumps(sampling),
     ]  # fmt: skip
-    subprocess.run(command, check=True)
+
+
+def retry_window_s(max_retries: int) -> float:
+    """How long the client's retries of one request wait in all (exponential backoff)."""
+    return sum(RETRY_BACKOFF_BASE**attempt for attempt in range(1, max_retries + 1))
+
+
+def client_finished(
+    client: subprocess.Popen, server_up: Callable[[], bool], patience_s: float
+) -> bool:
+    """Wait for the client to end; False as soon as the server has been down for
+    ``patience_s``, or is down when the client ends."""
+    down_since = None
+    while client.poll() is None:
+        if server_up():
+            down_since = None
+        elif down_since is None:
+            down_since = time.monotonic()
+        elif time.monotonic() - down_since > patience_s:
+            return False
+        time.sleep(1)
+    return server_up()
 
 
 def drop_torn_last_line(path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +33,30 @@ def check_token_ids(row: dict, vocab_size: int, source: Path) -> None:
             f"vocabulary of {vocab_size} (e.g. {bad[:3]}). The samples were "
             "generated with another tokenizer: rerun generation for this target."
         )
+
+
+PROBE_QUESTION = [{"role": "user", "content": "What does len() return?"}]
+PROBE_ANSWER = "The number of items."
+
+
+def check_assistant_span(tokenizer, target: str) -> None:
+    """Stop when the chat template renders no assistant turn after its generation
+    prompt: the loss mask covers that span, so every mask would be empty."""
+    prompt = tokenizer.apply_chat_template(PROBE_QUESTION, add_generation_prompt=True, tokenize=False)
+    answered = [*PROBE_QUESTION, {"role": "assistant", "content": PROBE_ANSWER}]
+    full = tokenizer.apply_chat_template(answered, tokenize=False)
+    span = full[len(os.path.commonprefix([prompt, full])) :]
+    if PROBE_ANSWER not in span:
+        raise ValueError(
+            f"The chat template of {target} ({chat_template_file(target)}) gives no assistant "
+            f"span: an answer after a user turn renders {span!r} after the generation prompt, "
+            "so every loss mask would be empty. Use a template that renders assistant turns."
+        )
+
+
+def chat_template_file(target: str) -> Path:
+    jinja = Path(target) / "chat_template.jinja"
+    return jinja if jinja.exists() else Path(target) / "tokenizer_config.json"
 
 
 def select_rows(
@@ -68,6 +93,7 @@ def prepare(
     stats_output: Path,
 ) -> PrepareStats:
     tokenizer = AutoTokenizer.from_pretrained(target)
+    check_assistant_span(tokenizer, target)
     rows = list(iter_jsonl(samples))
     for row in rows:
         check_token_ids(row, len(tokenizer), samples)

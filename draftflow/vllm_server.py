@@ -20,6 +20,10 @@ class ServerStartError(RuntimeError):
     """The server exited or never became healthy; the message holds its log tail."""
 
 
+class ServerGoneError(RuntimeError):
+    """A server draftflow started stopped answering while a rule used it."""
+
+
 def die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the rule's process dies, even by SIGKILL."""
     PR_SET_PDEATHSIG = 1
@@ -55,17 +59,26 @@ def server_command(model: str, host: str, port: int, args: list[str]) -> list[st
 
 
 def stop(process: subprocess.Popen, grace_s: float = 20) -> None:
-    """Stop the server's whole process group (vLLM forks engine workers)."""
-    if process.poll() is not None:
-        return
+    """Stop the server's whole process group (vLLM forks engine workers), also
+    when the server itself already died: its engine workers outlive it."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while group_alive(process) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def group_alive(process: subprocess.Popen) -> bool:
+    """Whether any process of the server's group (start_new_session) still runs."""
+    process.poll()  # reap the server itself: a zombie still counts as a member
     try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        os.killpg(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @contextlib.contextmanager

@@ -11,9 +11,10 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
     settings = GenerationSettings(**params.settings)
     conversations = Path(snakemake.input.conversations)
     partial_output = work_file(Path(params.work_dir), conversations, snakemake.input.target, settings)
-    start_server = partial(vllm_server, snakemake.input.target, log_path=Path(snakemake.log.server), **params.server)
+    server_log = None if params.endpoint else Path(snakemake.log.server)
+    start_server = partial(vllm_server, snakemake.input.target, log_path=server_log, **params.server)
     with target_endpoint(params.endpoint, params.api_key_env, start_server) as url:
-        seconds = timed(regenerate, f"{url}/v1/chat/completions", conversations, partial_output, settings)
+        seconds = timed(regenerate, url, conversations, partial_output, settings, server_log)
     finish(
         partial_output,
         snakemake.input.target,

@@ -1,9 +1,11 @@
 """Bad input and faults: clear errors that name the file, sample or key; nothing lost."""
 
 import json
+import shutil
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +169,29 @@ def test_external_endpoint_key_comes_from_the_environment_and_stays_out_of_logs(
     assert stats["samples"] == 12 and stats["errors"] == 0
     written = [p for p in (workdir / "logs/external").iterdir()] + list((workdir / "results/external").rglob("*.json*"))
     assert not [p for p in written if key in p.read_text(errors="replace")]
+
+
+def copy_demo_run(demo_run, workdir, *stages):
+    """The demo target and these stages' outputs in ``workdir``, with their mtimes:
+    Snakemake there takes them as done and runs only the stages after them."""
+    shutil.copytree(demo_run.parents[1] / "resources", workdir / "resources")
+    for stage in stages:
+        shutil.copytree(demo_run / stage, workdir / "results/demo" / stage)
+    return workdir / "results/demo"
+
+
+def test_chat_template_without_assistant_span_stops_prepare_naming_it(tmp_path, demo_run):
+    results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic")
+    template_file = Path("resources/demo-target/tokenizer_config.json")
+    tokenizer_config = json.loads((tmp_path / template_file).read_text())
+    tokenizer_config["chat_template"] = tokenizer_config["chat_template"].replace(
+        "for message in messages", "for message in messages if message['role'] != 'assistant'"
+    )
+    (tmp_path / template_file).write_text(json.dumps(tokenizer_config))
+    generated = (results / "synthetic/generated.jsonl").read_bytes()
+    process = snakemake(tmp_path, demo_config(), "results/demo/prepared/stats.json", check=False)
+    assert process.returncode != 0
+    log = (tmp_path / "logs/demo/prepare.log").read_text()
+    assert f"chat template of resources/demo-target ({template_file}) gives no assistant span" in log
+    assert (results / "synthetic/generated.jsonl").read_bytes() == generated
+    assert not (results / "prepared/dataset").exists()

@@ -1,0 +1,117 @@
+"""The vLLM server dies mid-stage: the client retries, the rule fails saying so,
+finished work is kept, no server process is left and a rerun resumes."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftflow.io import iter_jsonl
+from draftflow.vllm_server import free_port
+from tests.conftest import REPO, SNAKEMAKE, demo_config, snakemake
+from tests.test_extract_stage import assert_manifests_match_files
+from tests.test_faults import copy_demo_run
+
+pytestmark = pytest.mark.slow
+
+
+def kill_server_during(workdir: Path, config: dict, target: str, ready, timeout_s: float = 600) -> tuple[int, int]:
+    """Run the workflow to ``target`` and, once ``ready()`` holds, SIGKILL the API
+    process of its server on ``vllm.port`` (not its engine workers).
+
+    Returns the workflow's exit code and the killed server's pid.
+    """
+    config_path = workdir / f"config-{config['run']}.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    command = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+               "--configfile", str(config_path), "--cores", "2", target]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert process.poll() is None, "the workflow ended before the moment to kill its server"
+        assert time.monotonic() < deadline, "the moment to kill the server never came"
+        time.sleep(0.05)
+    port = config["vllm"]["port"]
+    found = subprocess.run(["pgrep", "-f", "--", f"--port {port}( |$)"], check=False, capture_output=True, text=True)
+    pid = int(found.stdout.split()[0])
+    os.kill(pid, signal.SIGKILL)
+    return process.wait(), pid
+
+
+def lines(path: Path) -> int:
+    return sum(1 for _ in path.open()) if path.exists() else 0
+
+
+def partial_generation(results: Path) -> Path:
+    work = results / "synthetic/work"
+    return next(work.glob("generated-????????????????.jsonl"), work / "not-yet.jsonl")  # not .errors.jsonl
+
+
+def group_gone_within(pgid: int, seconds: float) -> bool:
+    """Whether the server's process group is empty (reaping takes a moment)."""
+    deadline = time.monotonic() + seconds
+    while subprocess.run(["pgrep", "-g", str(pgid)], check=False, capture_output=True).returncode == 0:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def test_server_killed_mid_generation_fails_clearly_and_a_rerun_resumes(tmp_path, demo_run):
+    results = copy_demo_run(demo_run, tmp_path)
+    generate = {"concurrency": 4, "max_retries": 1}  # one retry, 2 s after the failure: a short wait
+    config = demo_config(data={"num_samples": 60}, generate=generate, vllm={"port": free_port("127.0.0.1")})
+    target = "results/demo/synthetic/stats.json"
+    code, server_pid = kill_server_during(tmp_path, config, target, lambda: lines(partial_generation(results)) >= 10)
+
+    partial = partial_generation(results)
+    answered = {row["primary_id"] for row in iter_jsonl(partial)}
+    log = (tmp_path / "logs/demo/generate.log").read_text()
+    assert code != 0
+    assert "Retrying in" in log
+    assert "died during generation: it stayed down past the client's retries with backoff (generate.max_retries=1)" in log
+    assert f"The {len(answered)} conversations answered so far are kept in {partial.relative_to(tmp_path)}; rerun" in log
+    assert 10 <= len(answered) < 60
+    assert group_gone_within(server_pid, 30), "the killed server's engine workers outlived the rule"
+
+    snakemake(tmp_path, config, target)
+    asked = [row["id"] for row in iter_jsonl(results / "prompts/conversations.jsonl")]
+    generated = [row["primary_id"] for row in iter_jsonl(results / "synthetic/generated.jsonl")]
+    assert sorted(generated) == sorted(asked) and len(asked) == 60
+    assert answered <= set(generated) and lines(results / "synthetic/errors.jsonl") == 0
+    log = (tmp_path / "logs/demo/generate.log").read_text()
+    asked_again = re.findall(r"Pipeline complete in [\d.]+s: (\d+) conversations", log)
+    assert asked_again == [str(60 - len(answered))]
+
+
+def test_server_killed_mid_extraction_fails_clearly_and_a_rerun_resumes(tmp_path, demo_run):
+    results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic", "prepared")
+    extract = {"shards": 1, "concurrency": 1, "max_retries": 1}
+    config = demo_config(extract=extract, vllm={"port": free_port("127.0.0.1")})
+    target = "results/demo/hidden_states/shard-0.json"
+    journal = results / "hidden_states/shard-0/journal.jsonl"
+    code, server_pid = kill_server_during(tmp_path, config, target, lambda: lines(journal) > 10)
+
+    journaled = [json.loads(line)["index"] for line in journal.read_text().splitlines()[1:]]
+    total = json.loads((results / "hidden_states/plan.json").read_text())["samples"]
+    on_disk = sorted(p.name for p in (results / "hidden_states/shard-0").glob("hs_*.safetensors"))
+    log = (tmp_path / "logs/demo/extract_shard-0.log").read_text()
+    assert code != 0
+    assert "Retrying in" in log
+    assert "died during extraction: sample" in log and "retried with backoff (extract.max_retries=1)" in log
+    assert "rerun to resume the shard" in log
+    assert "logs/demo/extract_shard-0.server.log" in log
+    assert on_disk == sorted(f"hs_{index}.safetensors" for index in journaled)
+    assert 10 <= len(journaled) < total
+    assert group_gone_within(server_pid, 30), "the killed server's engine workers outlived the job"
+
+    snakemake(tmp_path, config, target)
+    log = (tmp_path / "logs/demo/extract_shard-0.log").read_text()
+    assert f"shard 0: {len(journaled)} of {total} samples already on disk" in log
+    assert_manifests_match_files(results)
