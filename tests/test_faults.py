@@ -1,6 +1,7 @@
 """Bad input and faults: clear errors that name the file, sample or key; nothing lost."""
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from datasets import load_from_disk
 
 from draftflow.extract_transformers import transformers_extractor
 from draftflow.extraction import ExtractionSettings, Sample, ShardJournal, run_shard
@@ -16,7 +18,8 @@ from draftflow.generate import check_error_rate, unresolved_errors
 from draftflow.hidden_states import DiskFullError
 from draftflow.prompts import BadPromptRow, select_prompts
 from draftflow.training_data import check_file
-from draftflow.vllm_server import ServerStartError, vllm_server
+from draftflow.io import iter_jsonl
+from draftflow.vllm_server import ServerStartError, target_server_args, vllm_server
 from tests.conftest import demo_config, snakemake
 from tests.test_example_configs import example_config
 from tests.test_extraction import LAYERS, make_samples, tiny_target  # noqa: F401 - fixture
@@ -195,3 +198,27 @@ def test_chat_template_without_assistant_span_stops_prepare_naming_it(tmp_path, 
     assert f"chat template of resources/demo-target ({template_file}) gives no assistant span" in log
     assert (results / "synthetic/generated.jsonl").read_bytes() == generated
     assert not (results / "prepared/dataset").exists()
+
+
+@pytest.mark.parametrize(("on_too_long", "counted"), [("truncate", "truncated"), ("drop", "dropped_too_long")])
+def test_samples_longer_than_the_max_sequence_length_are_truncated_or_dropped_and_counted(tmp_path, demo_run, on_too_long, counted):
+    results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic")
+    longest = max(len(row["input_ids"]) for row in iter_jsonl(results / "synthetic/generated.jsonl"))
+    limit = longest - 8
+    too_long = sum(len(row["input_ids"]) > limit for row in iter_jsonl(results / "synthetic/generated.jsonl"))
+    snakemake(tmp_path, demo_config(prepare={"max_seq_length": limit, "on_too_long": on_too_long}), "results/demo/prepared/stats.json")
+    stats = json.loads((results / "prepared/stats.json").read_text())
+    assert too_long >= 1 and stats[counted] == too_long
+    lengths = [len(ids) for ids in load_from_disk(str(results / "prepared/dataset"))["input_ids"]]
+    assert max(lengths) <= limit
+    assert len(lengths) == stats["rows_in"] - (too_long if on_too_long == "drop" else 0) - stats["dropped_too_few_supervised_tokens"]
+
+
+def test_servers_listen_on_loopback_and_trust_no_remote_code_by_default(demo_run):
+    server_logs = [log.read_text() for log in (demo_run.parents[1] / "logs/demo").glob("*.server.log")]
+    addresses = {re.search(r"Starting vLLM server on http://([^:]+):", log).group(1) for log in server_logs}
+    assert len(server_logs) >= 3 and addresses == {"127.0.0.1"}
+    assert all("trust_remote_code=False" in log for log in server_logs)
+    vllm = {"max_model_len": 512, "tensor_parallel_size": 1, "data_parallel_size": 1, "extra_args": []}
+    trusting = target_server_args(vllm, dtype="float32", device="cpu", seed=0, trust_remote_code=True)
+    assert "--trust-remote-code" in trusting  # only when target.trust_remote_code is true
