@@ -179,7 +179,6 @@ def transformers_extractor(
     token_budget: int,
     trust_remote_code: bool = False,
     compile_layers: bool = False,
-    in_flight: int = 2,
 ) -> Iterator[TransformersExtractor]:
     model = AutoModelForCausalLM.from_pretrained(
         model_path, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code
@@ -188,7 +187,7 @@ def transformers_extractor(
     if compile_layers:
         compile_decoder_layers(model.get_decoder())
     try:
-        yield TransformersExtractor(model, layer_ids, token_budget, device, in_flight)
+        yield TransformersExtractor(model, layer_ids, token_budget, device)
     finally:
         del model
         if torch.device(device).type == "cuda":

@@ -167,11 +167,11 @@ def run_shard(
 ) -> list[WrittenFile]:
     """Extract every sample of a shard that is not already on disk.
 
-    ``writers`` threads write the files (serialize, sha256, fsync, rename) while
-    the extractor computes the next ones (``writers=0``: each file is written and
-    journaled before the next sample is asked for). This thread journals each record, in
-    order, only after its file was written, fsynced and renamed; at most
-    ``2 * writers`` samples are in flight. When a write or the extractor fails,
+    ``writers`` threads write the files (sha256, write, fsync, rename) while the
+    extractor computes the next ones (``writers=0``: each file is written and
+    journaled before the next sample is asked for). This thread journals each
+    record, in order, only after its file was written, fsynced and renamed; at
+    most ``2 * writers`` samples are in flight. When a write or the extractor fails,
     the writes under way are finished and journaled first, so the files on disk
     are exactly those the journal lists.
     """
@@ -185,14 +185,6 @@ def run_shard(
         heartbeat.add(record)
     todo = [s for s in samples if s.index not in done]
     print(f"shard {shard}: {len(done)} of {len(samples)} samples already on disk")
-
-    def now(function, *args) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(function(*args))
-        except Exception as error:  # noqa: BLE001 - raised by finish()
-            future.set_exception(error)
-        return future
 
     def finish(future: Future) -> None:
         record = future.result()  # on disk: written, fsynced, renamed (or the write's error)
@@ -213,12 +205,11 @@ def run_shard(
         heartbeat.set_status("loading")
         with open_extractor() as extract, ThreadPoolExecutor(max(writers, 1), thread_name_prefix="write") as pool:
             heartbeat.set_status("running")
-            submit = pool.submit if writers else now
             pending: deque[Future] = deque()
             try:
                 for sample, hidden_states in extract(todo):
                     token_ids = torch.tensor(sample.token_ids, dtype=torch.int64)
-                    pending.append(submit(write_sample, shard_dir, sample.index, sample.sample_id, hidden_states, token_ids))
+                    pending.append(pool.submit(write_sample, shard_dir, sample.index, sample.sample_id, hidden_states, token_ids))
                     while pending and (pending[0].done() or len(pending) >= 2 * writers):
                         finish(pending.popleft())
             except BaseException:
