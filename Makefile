@@ -1,22 +1,27 @@
 # `make demo` runs the whole default workflow; `make test` runs the tests.
-# Both create .venv and install the pinned environment first.
-VENV := .venv
-BIN := $(VENV)/bin
+# Both create the venv and install the pinned environment first.
+#   DEVICE=cpu|cuda   which lock to install (requirements-$(DEVICE).lock); cpu by default
+#   TORCH_INDEX=URL   where PyTorch's CPU build comes from (DEVICE=cpu), unless pip's
+#                     own sources (a wheel folder) already hold it
+DEVICE ?= cpu
+VENV ?= $(if $(filter cuda,$(DEVICE)),.venv-cuda,.venv)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+BIN := $(abspath $(VENV))/bin
 PYTHON ?= python3
 CORES ?= 2
-export PATH := $(CURDIR)/$(BIN):$(PATH)
+export PATH := $(BIN):$(PATH)
+export TORCH_INDEX
 
-.PHONY: install demo test lint lock clean
+.PHONY: install demo test lint lock lock-cuda clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed-$(DEVICE)
 
-# --no-deps: the lock is complete, and it leaves out the CUDA builds of
-# torchvision/torchaudio that speculators declares (they break transformers
-# beside the CPU torch). torch==2.13.0 comes from this machine's disk.
-# draftflow itself is put on the path with a .pth file (vLLM servers import its connector).
-$(VENV)/.installed: requirements.lock pyproject.toml
+# The generated envs/$(DEVICE).post-deploy.sh installs the lock (Snakemake's conda
+# deployment runs the same script). draftflow itself goes on the path with a
+# .pth file (vLLM servers import its connector).
+$(VENV)/.installed-$(DEVICE): envs/$(DEVICE).post-deploy.sh pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --no-deps -r requirements.lock
+	bash envs/$(DEVICE).post-deploy.sh
 	$(BIN)/python -c "import site; open(site.getsitepackages()[0] + '/draftflow.pth', 'w').write('$(CURDIR)\n')"
 	touch $@
 
@@ -30,8 +35,14 @@ lint: install
 test: lint
 	$(BIN)/pytest
 
+# The CPU lock is frozen from the CPU venv; the CUDA lock is resolved by pip
+# (Python 3.11 and 3.12, default index); both regenerate the install scripts.
 lock:
-	$(BIN)/pip freeze --exclude-editable > requirements.lock
+	$(BIN)/pip freeze --all --exclude-editable --exclude pip > requirements-cpu.lock
+	$(BIN)/python -m draftflow.locks scripts
+
+lock-cuda:
+	$(BIN)/python -m draftflow.locks cuda
 
 clean:
 	rm -rf results logs benchmarks .snakemake

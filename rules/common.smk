@@ -1,4 +1,5 @@
 import json
+import os
 from pathlib import Path
 
 from draftflow.provenance import code_version as draftflow_code_version
@@ -7,7 +8,14 @@ from draftflow.vllm_server import server_env, target_server_args
 
 RUN = config["run"]
 TARGET = config["target"]["path"]
-CONDA_ENV = "../envs/draftflow.yaml"
+CONDA_ENV = f"../envs/{config['device']}.yaml"
+# Jobs import draftflow from the workflow folder: the venv has it through a .pth
+# file, a conda env made from CONDA_ENV has not.
+os.environ.update(
+    PYTHONPATH=os.pathsep.join(
+        filter(None, [workflow.basedir, os.environ.get("PYTHONPATH")])
+    )
+)
 SERVE_CHECK = config["evaluate"]["serve_check"]
 
 

