@@ -8,16 +8,15 @@ proposal counts only while every earlier one was accepted, as at serving time.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoConfig
 
 from draftflow.file_names import file_name
 from draftflow.plots import pyplot, save_png
+from draftflow.target_model import TargetModel, read_target_model
 
 
 class LayerIdMismatch(ValueError):
@@ -34,17 +33,12 @@ def check_layer_ids(drafter_config: dict, extracted_layer_ids: list[int], drafte
         )
 
 
-def target_tensors(target: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """Read a few named tensors from the target's (possibly sharded) safetensors."""
-    index = target / "model.safetensors.index.json"
-    where = (
-        json.loads(index.read_text())["weight_map"]
-        if index.exists()
-        else {name: "model.safetensors" for name in names}
-    )
+def target_tensors(target: TargetModel, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read a few of the target's weights (from any of its safetensors shards)."""
+    files = target.head_weights.files
     tensors = {}
     for name in names:
-        with safe_open(str(target / where[name]), framework="pt") as shard:
+        with safe_open(str(target.folder / files[name]), framework="pt") as shard:
             tensors[name] = shard.get_tensor(name).float()
     return tensors
 
@@ -53,12 +47,12 @@ class TargetHead:
     """The target's final norm and lm_head: greedy tokens from final-layer states."""
 
     def __init__(self, target: Path):
-        config = AutoConfig.from_pretrained(target)
-        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        weights = target_tensors(target, ["model.norm.weight", head])
-        self.norm_weight = weights["model.norm.weight"]
-        self.lm_head = weights[head]
-        self.eps = config.rms_norm_eps
+        model = read_target_model(target)
+        head = model.head_weights
+        weights = target_tensors(model, [head.final_norm, head.lm_head])
+        self.norm_weight = weights[head.final_norm]
+        self.lm_head = weights[head.lm_head]
+        self.eps = model.rms_norm_eps
 
     def greedy(self, final_states: torch.Tensor) -> torch.Tensor:
         states = final_states.float()

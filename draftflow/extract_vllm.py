@@ -23,7 +23,7 @@ from speculators.data_generation.offline import check_hidden_states
 from speculators.data_generation.vllm_client import generate_hidden_states, wait_for_lock
 
 from draftflow.extraction import Sample
-from draftflow.vllm_server import ServerGoneError, log_tail, vllm_server
+from draftflow.vllm_server import ServerGoneError, log_excerpt, vllm_server
 
 CPU_CONNECTOR = {
     "kv_connector": "CPUHiddenStatesConnector",
@@ -71,7 +71,7 @@ class VllmExtractor:
                 f"The vLLM server at {self.base_url} died during extraction: sample "
                 f"{sample.sample_id} got no answer, retried with backoff (extract.max_retries="
                 f"{self.max_retries}): {error} The files finished before stay journaled; rerun "
-                f"to resume the shard. Last lines of {self.server_log}:\n{log_tail(self.server_log, 10)}"
+                f"to resume the shard. {log_excerpt(self.server_log, 10)}"
             ) from error
         if Path(f"{path}.lock").exists():
             wait_for_lock(f"{path}.lock")

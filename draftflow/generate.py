@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from draftflow.auth_proxy import api_key_from_env, authenticating_proxy
 from draftflow.io import iter_jsonl, write_json, write_jsonl
-from draftflow.vllm_server import ServerGoneError, is_healthy, log_tail
+from draftflow.vllm_server import ServerGoneError, is_healthy, log_excerpt
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def regenerate(
             f"The vLLM server at {base_url} died during generation: it stayed down past the "
             f"client's retries with backoff (generate.max_retries={settings.max_retries}). The "
             f"{answered} conversations answered so far are kept in {partial}; rerun to ask "
-            f"only the others. Last lines of {server_log}:\n{log_tail(server_log, 10)}"
+            f"only the others. {log_excerpt(server_log, 10)}"
         )
     if client.returncode:
         raise subprocess.CalledProcessError(client.returncode, client.args)

@@ -33,6 +33,7 @@ from typing import TextIO
 import yaml
 
 from draftflow.file_names import file_name
+from draftflow.target_model import TargetModel, read_target_model
 
 ON_TRACK, WILL_NOT_FIT, FAILED_SHARD, STALLED = 0, 3, 4, 5
 EXIT_CODES = {
@@ -424,7 +425,7 @@ def setting(config: dict, *keys: str):
     return node["default"] if value == {} else value
 
 
-def drafter_parameters(target: dict, num_aux: int, draft_vocab: int, num_layers: int) -> tuple[int, int]:
+def drafter_parameters(target: TargetModel, num_aux: int, draft_vocab: int, num_layers: int) -> tuple[int, int]:
     """(saved, trained) parameters of speculators' EAGLE-3 drafter for this target.
 
     Saved: the embedding (target vocab x hidden) and lm_head (draft vocab x
@@ -433,10 +434,10 @@ def drafter_parameters(target: dict, num_aux: int, draft_vocab: int, num_layers:
     the first one reading [embedding, hidden] (2 x hidden) and holding the
     hidden norm; the final norm. Trained: all but the embedding and lm_head.
     """
-    hidden, intermediate = target["hidden_size"], target["intermediate_size"]
-    heads = target["num_attention_heads"]
-    kv_heads = target.get("num_key_value_heads") or heads
-    head_dim = target.get("head_dim") or hidden // heads
+    hidden, intermediate = target.hidden_size, target.setting("intermediate_size")
+    heads = target.setting("num_attention_heads")
+    kv_heads = target.text_config.get("num_key_value_heads") or heads
+    head_dim = target.text_config.get("head_dim") or hidden // heads
 
     def layer(inputs: int) -> int:
         attention = inputs * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
@@ -444,18 +445,17 @@ def drafter_parameters(target: dict, num_aux: int, draft_vocab: int, num_layers:
 
     first_layer = layer(2 * hidden) + hidden
     trained = num_aux * hidden * (hidden + 1) + first_layer + (num_layers - 1) * layer(hidden) + hidden
-    return (target["vocab_size"] + draft_vocab) * hidden + trained, trained
+    return (target.vocab_size + draft_vocab) * hidden + trained, trained
 
 
-def target_config(config: dict) -> dict:
-    """The target's config.json (``target.path`` relative to the workflow directory, the cwd)."""
+def target_model(config: dict) -> TargetModel:
+    """The target's text model (``target.path`` relative to the workflow directory, the cwd)."""
     path = Path(config["target"]["path"]) / "config.json"
     if not path.exists():
         raise FileNotFoundError(
             f"--config: no target config at {path.resolve()}; run from the workflow directory or pass --reserve-bytes"
         )
-    target = json.loads(path.read_text())
-    return target.get("text_config", target)
+    return read_target_model(path.parent)
 
 
 def later_stage_estimate(config: dict, plan: dict, run_dir: Path) -> dict[str, int]:
@@ -469,12 +469,12 @@ def later_stage_estimate(config: dict, plan: dict, run_dir: Path) -> dict[str, i
     epoch, all kept. Training views: rows of the prepared dataset (the hidden
     states are links). Evaluation and report: a fixed allowance.
     """
-    target = target_config(config)
+    target = target_model(config)
     draft_vocab = setting(config, "vocab", "draft_vocab_size")
     saved, trained = drafter_parameters(
         target, len(plan["layer_ids"]) - 1, draft_vocab, setting(config, "train", "num_layers")
     )
-    in_training = saved + (draft_vocab + 1) * target["hidden_size"]
+    in_training = saved + (draft_vocab + 1) * target.hidden_size
     if setting(config, "device") == "cuda":
         drafter = 2 * in_training
         checkpoints = setting(config, "train", "epochs") * (2 * in_training + 4 * trained)

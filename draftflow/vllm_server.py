@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -16,8 +18,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+# Written to the server log before each start.
+START_MARKER = "--- draftflow starts a vLLM server"
+# vLLM's "(EngineCore_DP0 pid=7) ERROR 11-30 13:55:29 [core.py:1512] message"; uvicorn's "ERROR:    message".
+LOG_LINE = re.compile(
+    r"^(?:\([\w-]+ pid=\d+\) )?"
+    r"(?:(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)(?: [\d-]+ [\d:.]+ \[[^\]]*\](?: |$)|:\s+))?"
+    r"(?P<message>.*)$"
+)
+# Error lines that follow from the engine's death rather than say why it died.
+CONSEQUENCES = ("EngineDeadError", "AsyncLLM output_handler failed", "Dumping ")
+
+
 class ServerStartError(RuntimeError):
-    """The server exited or never became healthy; the message holds its log tail."""
+    """The server exited or never became healthy; the message says why, from its log."""
 
 
 class ServerGoneError(RuntimeError):
@@ -44,9 +58,36 @@ def is_healthy(base_url: str) -> bool:
         return False
 
 
-def log_tail(path: Path, lines: int = 40) -> str:
-    text = path.read_text(errors="replace") if path.exists() else ""
-    return "\n".join(text.splitlines()[-lines:])
+def log_excerpt(path: Path, tail_lines: int = 40) -> str:
+    """Why the server failed, then the end of its log (shutdown noise, mostly),
+    both from its last start (the log is appended to on every start)."""
+    text = path.read_text(errors="replace").rpartition(START_MARKER)[2] if path.exists() else ""
+    causes = root_cause_lines(text)
+    why = f"Errors in {path}:\n" + "\n".join(causes) + "\n" if causes else ""
+    tail = "\n".join(text.splitlines()[-tail_lines:])
+    return f"{why}Last lines of {path}:\n{tail}"
+
+
+def root_cause_lines(log_text: str, limit: int = 8, width: int = 400) -> list[str]:
+    """The first ``limit`` lines that say why: error lines outside tracebacks and each
+    traceback's last line (the exception), once each. Debug, info and warning
+    lines are skipped with their tracebacks, and so is shutdown noise (nanobind
+    leak reports, semaphore warnings), which has no level and no traceback."""
+    causes, seen, in_traceback = [], set(), False
+    for line in log_text.splitlines():
+        level, message = LOG_LINE.match(line).group("level", "message")
+        if level in ("DEBUG", "INFO", "WARNING") or not message.strip():
+            continue
+        if message.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and message[0].isspace():  # a stack frame
+            continue
+        elif in_traceback or level:
+            in_traceback = False
+            if message not in seen and not any(consequence in message for consequence in CONSEQUENCES):
+                seen.add(message)
+                causes.append(line.strip()[:width])
+    return causes[:limit]
 
 
 def server_command(model: str, host: str, port: int, args: list[str]) -> list[str]:
@@ -99,9 +140,12 @@ def vllm_server(
     port = port or free_port(host)
     base_url = f"http://{host}:{port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = server_command(model, host, port, args)
     with log_path.open("ab") as log:
+        log.write(f"{START_MARKER} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {shlex.join(command)}\n".encode())
+        log.flush()
         process = subprocess.Popen(
-            server_command(model, host, port, args),
+            command,
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
@@ -128,16 +172,14 @@ def wait_until_healthy(
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise ServerStartError(
-                f"vLLM server exited with code {process.returncode} before it was "
-                f"ready. Last lines of {log_path}:\n{log_tail(log_path)}"
+                f"vLLM server exited with code {process.returncode} before it was ready. {log_excerpt(log_path)}"
             )
         if is_healthy(base_url):
             return
         time.sleep(1)
     raise ServerStartError(
         f"vLLM server not healthy at {base_url} after {timeout_s:.0f} s "
-        f"(raise generate.health_timeout_s if the model is large). "
-        f"Last lines of {log_path}:\n{log_tail(log_path)}"
+        f"(raise vllm.health_timeout_s if the model is large). {log_excerpt(log_path)}"
     )
 
 

@@ -35,11 +35,6 @@ def build_vocab_map(
     t2d_output: Path,
     coverage_output: Path,
 ) -> dict:
-    if draft_vocab_size > target_vocab_size:
-        raise ValueError(
-            f"vocab.draft_vocab_size={draft_vocab_size} is larger than the target's "
-            f"vocabulary ({target_vocab_size}); choose at most {target_vocab_size}."
-        )
     token_freq = torch.load(token_freq_path, weights_only=True)
     d2t, t2d = build_vocab_mappings_from_distribution(
         token_freq, draft_vocab_size, target_vocab_size

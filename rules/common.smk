@@ -1,9 +1,9 @@
-import json
 import os
 from pathlib import Path
 
 from draftflow.provenance import code_version as draftflow_code_version
 from draftflow.layers import resolve_layer_ids
+from draftflow.target_model import read_target_model
 from draftflow.vllm_server import server_env, target_server_args
 
 RUN = config["run"]
@@ -84,17 +84,11 @@ def check_target_now():
 
     A target the workflow still has to build is checked by its first rule.
     """
-    target_config = Path(TARGET) / "config.json"
-    if not target_config.exists():
+    if not (Path(TARGET) / "config.json").exists():
         return
-    target = json.loads(target_config.read_text())
-    resolve_layer_ids(config["extract"]["layer_ids"], target["num_hidden_layers"])
-    draft_vocab_size = config["vocab"]["draft_vocab_size"]
-    if "vocab_size" in target and draft_vocab_size > target["vocab_size"]:
-        raise ValueError(
-            f"vocab.draft_vocab_size={draft_vocab_size} is larger than the target's "
-            f"vocabulary ({target['vocab_size']}, {target_config}); choose at most that."
-        )
+    target = read_target_model(TARGET)
+    resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
+    target.check_draft_vocab_size(config["vocab"]["draft_vocab_size"])
 
 
 check_target_now()

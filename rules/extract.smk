@@ -24,7 +24,6 @@ rule extract_plan:
         shards=config["extract"]["shards"],
         layer_ids=config["extract"]["layer_ids"],
         dtype=config["target"]["dtype"],
-        trust_remote_code=config["target"]["trust_remote_code"],
         disk_margin=config["extract"]["disk_margin"],
     script:
         "../scripts/extract_plan.py"

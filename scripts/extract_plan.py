@@ -1,15 +1,14 @@
 from pathlib import Path
 
-from transformers import AutoConfig
-
 from draftflow.extraction import check_free_space, load_samples, plan_extraction, remove_stale_shards
 from draftflow.io import write_json
 from draftflow.layers import resolve_layer_ids
 from draftflow.rule_log import logged
+from draftflow.target_model import read_target_model
 
 params = snakemake.params
 with logged(snakemake.log[0]):
-    target = AutoConfig.from_pretrained(snakemake.input.target, trust_remote_code=params.trust_remote_code)
+    target = read_target_model(snakemake.input.target)
     output_dir = Path(params.output_dir)
     removed = remove_stale_shards(output_dir, params.shards)
     if removed:
@@ -17,7 +16,7 @@ with logged(snakemake.log[0]):
     plan = plan_extraction(
         load_samples(Path(snakemake.input.dataset)),
         params.shards,
-        resolve_layer_ids(params.layer_ids, target.num_hidden_layers),
+        resolve_layer_ids(params.layer_ids, target.num_layers),
         target.hidden_size,
         params.dtype,
     )

@@ -1,15 +1,15 @@
 from pathlib import Path
 
-from transformers import AutoConfig
-
 from draftflow.rule_log import logged
+from draftflow.target_model import read_target_model
 from draftflow.vocab import build_vocab_map, plot_coverage
 
 with logged(snakemake.log[0]):
-    target_config = AutoConfig.from_pretrained(snakemake.input.target)
+    target = read_target_model(snakemake.input.target)
+    target.check_draft_vocab_size(snakemake.params.draft_vocab_size)
     summary = build_vocab_map(
         Path(snakemake.input.token_freq),
-        target_config.vocab_size,
+        target.vocab_size,
         snakemake.params.draft_vocab_size,
         snakemake.params.coverage_sizes,
         d2t_output=Path(snakemake.output.d2t),

@@ -19,7 +19,7 @@ def example_config(name, tmp_path, num_layers):
     config = yaml.safe_load((REPO / "config/examples" / name).read_text())
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"num_hidden_layers": num_layers}))
+    (target / "config.json").write_text(json.dumps({"num_hidden_layers": num_layers, "vocab_size": 128256}))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     config["target"]["path"] = str(target)

@@ -78,7 +78,7 @@ def test_config_errors_stop_before_any_job(tmp_path, edit, message):
 def test_server_that_cannot_start_fails_fast_with_its_log_and_leaves_nothing(tmp_path):
     log = tmp_path / "server.log"
     started = time.monotonic()
-    with pytest.raises(ServerStartError, match=r"exited with code .*Last lines of"):
+    with pytest.raises(ServerStartError, match=r"exited with code 1 before it was ready. Errors in (?s:.*)\nOSError: (?s:.*)Last lines of"):
         with vllm_server(str(tmp_path / "no-such-model"), ["--enforce-eager"], log, health_timeout_s=300):
             pass
     assert time.monotonic() - started < 300

@@ -41,6 +41,7 @@ from draftflow.progress import (
     render_table,
     watch,
 )
+from draftflow.target_model import read_target_model
 from tests.conftest import REPO
 
 LAYERS, HIDDEN = 4, 32
@@ -260,11 +261,12 @@ def test_later_stage_estimate_counts_the_demo_drafter(tmp_path):
     """The demo drafter (speculators, 1 layer, draft vocab 128) saves 721,792 parameters, trains 312,192."""
     demo_target = {"hidden_size": 128, "intermediate_size": 384, "num_attention_heads": 2,
                    "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 3072}  # fmt: skip
-    assert drafter_parameters(demo_target, num_aux=3, draft_vocab=128, num_layers=1) == (721_792, 312_192)
-    run_dir = tmp_path / "results/demo"
-    write_json(run_dir / "hidden_states/plan.json", plan_extraction([], 1, [2, 4, 5, 8], 128, "float32"))
     (tmp_path / "target").mkdir()
     write_json(tmp_path / "target/config.json", demo_target)
+    target = read_target_model(tmp_path / "target")
+    assert drafter_parameters(target, num_aux=3, draft_vocab=128, num_layers=1) == (721_792, 312_192)
+    run_dir = tmp_path / "results/demo"
+    write_json(run_dir / "hidden_states/plan.json", plan_extraction([], 1, [2, 4, 5, 8], 128, "float32"))
     config = tmp_path / "config.yaml"
     config.write_text(
         f"run: demo\ndevice: cpu\ntarget: {{path: {tmp_path / 'target'}}}\nvocab: {{draft_vocab_size: 128}}\n"

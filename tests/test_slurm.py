@@ -282,7 +282,7 @@ def example_8gpu(tmp_path: Path) -> Path:
     config = yaml.safe_load((REPO / "config/examples/moe-1t-8gpu.yaml").read_text())
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"num_hidden_layers": 61}))
+    (target / "config.json").write_text(json.dumps({"num_hidden_layers": 61, "vocab_size": 163840}))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     config["target"]["path"] = str(target)

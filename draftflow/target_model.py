@@ -1,0 +1,217 @@
+"""The text model of a target checkpoint: its settings and the names of its head weights.
+
+Multimodal checkpoints keep the language model's settings in a section of
+config.json (``text_config``, as transformers' ``get_text_config`` finds it)
+and its weights under a prefix (``language_model.model.norm.weight``); a
+model with tied embeddings has no lm_head weight of its own. Only
+config.json, generation_config.json and the safetensors headers are read (no
+torch, no transformers), so the Snakefile and the progress check use it too.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+# Keys under which composite configs keep their language model: transformers'
+# get_text_config looks for text_config, decoder and generator; remote-code
+# models use the others.
+TEXT_SECTIONS = ("text_config", "decoder", "generator", "language_config", "llm_config", "language_model")
+EMBEDDING, FINAL_NORM, LM_HEAD = "embed_tokens.weight", "norm.weight", "lm_head.weight"
+
+
+class TargetModelError(ValueError):
+    """The target's config or weights lack what the workflow needs; the message names the file."""
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """Safetensors names of the text model's embedding, final norm and lm_head."""
+
+    embed_tokens: str
+    final_norm: str
+    lm_head: str  # the embedding when tied
+    tied: bool
+    files: dict[str, str]  # each name above -> its safetensors file, relative to the target
+
+
+@dataclass(frozen=True)
+class TargetModel:
+    """A target's text model. Each setting is read when asked for, so that a
+    config holding only what a caller needs will do, and a missing one fails
+    naming the file and the key."""
+
+    folder: Path
+    config: dict  # all of config.json
+    section: tuple[str, ...]  # keys from the top of config.json to the text model's settings
+
+    @property
+    def config_file(self) -> Path:
+        return self.folder / "config.json"
+
+    @property
+    def text_config(self) -> dict:
+        settings = self.config
+        for key in self.section:
+            settings = settings[key]
+        return settings
+
+    @property
+    def section_name(self) -> str:
+        return ".".join(self.section) or "its top level"
+
+    def setting(self, key: str):
+        if key not in self.text_config:
+            raise TargetModelError(f"{self.config_file} has no {key!r} in {self.section_name}")
+        return self.text_config[key]
+
+    @property
+    def num_layers(self) -> int:
+        return self.setting("num_hidden_layers")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.setting("hidden_size")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.setting("vocab_size")
+
+    def check_draft_vocab_size(self, draft_vocab_size: int) -> None:
+        if draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"vocab.draft_vocab_size={draft_vocab_size} is larger than the target's "
+                f"vocabulary ({self.vocab_size}, {self.config_file}); choose at most that."
+            )
+
+    @property
+    def rms_norm_eps(self) -> float:
+        return self.setting("rms_norm_eps")
+
+    @property
+    def model_type(self) -> str:
+        """The model type that loads (``kimi_k25`` for Kimi-K2.5, not its text model's)."""
+        if "model_type" not in self.config:
+            raise TargetModelError(f"{self.config_file} has no 'model_type'")
+        return self.config["model_type"]
+
+    @property
+    def architectures(self) -> list[str]:
+        return self.config.get("architectures") or []
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """From the text model's settings, the top level or generation_config.json; [] when none says."""
+        eos = self.token_id("eos_token_id")
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.token_id("pad_token_id")
+
+    def token_id(self, key: str):
+        generation_file = self.folder / "generation_config.json"
+        generation = json.loads(generation_file.read_text()) if generation_file.exists() else {}
+        for settings in (self.text_config, self.config, generation):
+            if settings.get(key) is not None:
+                return settings[key]
+        return None
+
+    @property
+    def declared_tied(self) -> bool | None:
+        """tie_word_embeddings of the text model's settings, else of the top level."""
+        for settings in (self.text_config, self.config):
+            if "tie_word_embeddings" in settings:
+                return bool(settings["tie_word_embeddings"])
+        return None
+
+    @cached_property
+    def head_weights(self) -> HeadWeights:
+        files = weight_files(self.folder)
+        prefix = decoder_prefix(files, self.folder)
+        candidates = lm_head_candidates(prefix)
+        lm_head = next((name for name in candidates if name in files), None)
+        # A config silent on tying is tied when there is no lm_head to use.
+        tied = lm_head is None if self.declared_tied is None else self.declared_tied
+        if not tied and lm_head is None:
+            raise TargetModelError(
+                f"{self.config_file} says tie_word_embeddings is false, but the weights in "
+                f"{self.folder} hold no lm_head ({' or '.join(candidates)})"
+            )
+        embed_tokens, final_norm = f"{prefix}{EMBEDDING}", f"{prefix}{FINAL_NORM}"
+        head = embed_tokens if tied else lm_head
+        return HeadWeights(
+            embed_tokens, final_norm, head, tied, {name: files[name] for name in (embed_tokens, final_norm, head)}
+        )
+
+
+def read_target_model(folder: str | Path) -> TargetModel:
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        raise TargetModelError(f"{config_file} does not exist: target.path must be a model folder")
+    config = json.loads(config_file.read_text())
+    return TargetModel(folder, config, text_section(config, config_file))
+
+
+def text_section(config: dict, config_file: Path) -> tuple[str, ...]:
+    """Keys leading to the text model's settings, descending while a section nests another."""
+    section: tuple[str, ...] = ()
+    settings = config
+    while nested := [key for key in TEXT_SECTIONS if isinstance(settings.get(key), dict)]:
+        if len(nested) > 1:
+            raise TargetModelError(
+                f"{config_file}: more than one section could hold the text model "
+                f"({', '.join('.'.join((*section, key)) for key in nested)})"
+            )
+        section += (nested[0],)
+        settings = settings[nested[0]]
+    return section
+
+
+def weight_files(folder: Path) -> dict[str, str]:
+    """Weight name -> the safetensors file holding it, relative to ``folder``."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise TargetModelError(
+            f"{folder} holds no safetensors weights (model.safetensors or model.safetensors.index.json)"
+        )
+    return {name: path.name for path in files for name in safetensors_names(path)}
+
+
+def safetensors_names(path: Path) -> list[str]:
+    """Tensor names from a safetensors file's header (8-byte length, then JSON)."""
+    with path.open("rb") as file:
+        (length,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(length))
+    return [name for name in header if name != "__metadata__"]
+
+
+def decoder_prefix(names: dict[str, str], folder: Path) -> str:
+    """Where the text decoder's weights sit (``model.``, ``language_model.model.``,
+    ``model.language_model.``): the prefix of both its embedding and final norm."""
+    prefixes = [
+        name.removesuffix(EMBEDDING)
+        for name in names
+        if (name == EMBEDDING or name.endswith(f".{EMBEDDING}"))
+        and f"{name.removesuffix(EMBEDDING)}{FINAL_NORM}" in names
+    ]
+    if len(prefixes) != 1:
+        found = f"several ({', '.join(prefixes)})" if prefixes else "none"
+        raise TargetModelError(
+            f"the weights in {folder} must hold one text decoder, a PREFIX with both "
+            f"PREFIX{EMBEDDING} and PREFIX{FINAL_NORM} (e.g. model.); found {found}"
+        )
+    return prefixes[0]
+
+
+def lm_head_candidates(prefix: str) -> list[str]:
+    """Beside the decoder (``language_model.lm_head.weight`` for ``language_model.model.``), or at the top."""
+    parent = prefix.removesuffix(".").rpartition(".")[0]
+    return [f"{parent}.{LM_HEAD}", LM_HEAD] if parent else [LM_HEAD]
