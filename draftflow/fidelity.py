@@ -1,10 +1,65 @@
-"""Do the two extraction backends agree? Catches wrong layer ids and norm mix-ups."""
+"""Do the two extraction backends agree? Catches wrong layer ids and norm mix-ups.
+
+The check loads the whole target in transformers on one device, so it runs
+only where the target fits; otherwise ``fidelity.json`` says why it did not.
+Importable without torch: the Snakefile decides at parse time.
+"""
 
 from __future__ import annotations
 
-import torch
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
+# An accelerator's memory when extract.fidelity_device_memory_gb is not set:
+# the smallest of the common 8-GPU nodes' (A100/H100 80 GB).
+DEFAULT_GPU_MEMORY_GB = 80
+# Room beyond the weights for activations, buffers and the allocator.
+LOAD_OVERHEAD = 1.2
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class FidelityDecision:
+    check: bool
+    reason: str
+
+
+def device_memory_gb(device: str, configured_gb: float | None) -> tuple[float, str]:
+    """One device's memory in GB, and where the number comes from."""
+    if configured_gb is not None:
+        return configured_gb, "extract.fidelity_device_memory_gb"
+    if device == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB, "this machine's memory"
+    return DEFAULT_GPU_MEMORY_GB, "default for one GPU; set extract.fidelity_device_memory_gb"
+
+
+def decide(setting: str, weight_bytes: int | None, memory_gb: float, memory_source: str) -> FidelityDecision:
+    """Whether the fidelity rule loads the target (``extract.fidelity``: auto, always, never)."""
+    if setting == "never":
+        return FidelityDecision(False, "not checked: turned off (extract.fidelity: never)")
+    if setting == "always":
+        return FidelityDecision(True, "checked: extract.fidelity is always")
+    if weight_bytes is None:
+        return FidelityDecision(True, "checked if the target fits one device, decided once it exists")
+    need = LOAD_OVERHEAD * weight_bytes / GB
+    sizes = f"{weight_bytes / GB:,.1f} GB of weights, {need:,.1f} GB to load; one device has {memory_gb:,.0f} GB ({memory_source})"
+    if need <= memory_gb:
+        return FidelityDecision(True, f"checked: the target fits one device ({sizes})")
+    return FidelityDecision(
+        False,
+        f"not checked: transformers would load the whole target on one device, which it does not fit "
+        f"({sizes}). Set extract.fidelity: always to force the check, or "
+        f"extract.fidelity_device_memory_gb if the device is larger.",
+    )
+
+
+def not_checked(decision: FidelityDecision) -> dict:
+    return {"checked": False, "reason": decision.reason, "passed": None}
 
 
 def relative_errors(reference: torch.Tensor, other: torch.Tensor) -> list[float]:
@@ -29,6 +84,7 @@ def compare(
             )
         worst = [max(w, e) for w, e in zip(worst, relative_errors(states, other[index]), strict=True)]
     return {
+        "checked": True,
         "samples": len(reference),
         "tolerance": tolerance,
         "max_relative_error_per_layer": dict(zip(map(str, layer_ids), worst, strict=True)),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from draftflow.target_source import snapshot_identity
+
 IDENTITY_FILES = (
     "config.json",
     "generation_config.json",
@@ -23,8 +25,12 @@ def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
 
 
 def target_fingerprint(model_dir: str | Path) -> str:
-    """Hash of the target's config and tokenizer files (not its weights)."""
+    """Hash of the target's config and tokenizer files (not its weights) and, for a
+    snapshot of the hub cache, its id and commit: a new commit that changes only
+    the weights changes the fingerprint too."""
     digest = hashlib.sha256()
+    if identity := snapshot_identity(model_dir):
+        digest.update(f"hub:{identity}\n".encode())
     for name in IDENTITY_FILES:
         path = Path(model_dir) / name
         if path.exists():

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from transformers import AutoTokenizer
 from draftflow.auth_proxy import api_key_from_env, authenticating_proxy
 from draftflow.io import iter_jsonl, write_json, write_jsonl
 from draftflow.vllm_server import ServerGoneError, is_healthy, log_excerpt
+
+LOST_TURNS_WARN_FRACTION = 0.05
 
 
 @dataclass(frozen=True)
@@ -147,8 +150,48 @@ def generation_stats(
     }
 
 
+def lost_turn_stats(conversations: list[dict], rows: list[dict]) -> dict:
+    """User turns that speculators' client never asked, over the answered conversations.
+
+    The client answers a conversation's user turns in order, one row per answer
+    (the prompts carry no tools, so there are no tool-call rows), and stops it
+    once a turn's prompt + completion exceed ``max_tokens``: the user turns after
+    that one are lost. A conversation without rows failed whole and is counted
+    among the errors instead.
+    """
+    answers = Counter(row["primary_id"] for row in rows)
+    user_turns = {
+        conversation["id"]: sum(turn["role"] == "user" for turn in conversation["messages"])
+        for conversation in conversations
+        if conversation["id"] in answers
+    }
+    lost = [user_turns[conversation] - answers[conversation] for conversation in user_turns]
+    return {
+        "multi_turn_conversations": sum(turns > 1 for turns in user_turns.values()),
+        "user_turns": sum(user_turns.values()),
+        "user_turns_lost": sum(lost),
+        "conversations_with_lost_turns": sum(turns > 0 for turns in lost),
+    }
+
+
+def lost_turns_warnings(stats: dict, max_tokens: int) -> list[str]:
+    """A warning when more than LOST_TURNS_WARN_FRACTION of the conversations lost turns."""
+    lost, conversations = stats["conversations_with_lost_turns"], stats["conversations"]
+    if lost <= LOST_TURNS_WARN_FRACTION * conversations:
+        return []
+    return [
+        f"{lost} of {conversations} conversations ({100 * lost / conversations:.1f}%, more "
+        f"than {100 * LOST_TURNS_WARN_FRACTION:.0f}%) lost their later user turns "
+        f"(user_turns_lost: {stats['user_turns_lost']}): speculators' client stops a "
+        "conversation once a turn's prompt + completion exceed "
+        f"generate.max_tokens={max_tokens}, and never asks the turns after it. Raise "
+        "generate.max_tokens (with vllm.max_model_len) to keep them."
+    ]
+
+
 def finish(
     partial: Path,
+    conversations: Path,
     tokenizer_dir: str,
     settings: GenerationSettings,
     seconds: float,
@@ -157,7 +200,8 @@ def finish(
     errors_output: Path,
     stats_output: Path,
 ) -> dict:
-    """Write the rows sorted by id (completion order varies), errors and stats.
+    """Write the rows sorted by id (completion order varies), errors and stats
+    (with the user turns lost to ``generate.max_tokens``, warned about in the log).
 
     ``endpoint`` replaces the URL the client recorded in each row: a local
     server's port is random and would make reruns differ.
@@ -172,6 +216,10 @@ def finish(
     errors = unresolved_errors(errors_path(partial), {row["primary_id"] for row in rows})
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     stats = generation_stats(rows, errors, tokenizer, settings.reasoning_end_marker, seconds)
+    stats |= lost_turn_stats(list(iter_jsonl(conversations)), rows)
+    stats["warnings"] = lost_turns_warnings(stats, settings.max_tokens)
+    for warning in stats["warnings"]:
+        print(f"WARNING: {warning}")
     write_jsonl(errors_output, errors)
     write_json(stats_output, stats)
     check_error_rate(stats, settings.max_error_fraction, errors_path(partial))

@@ -34,6 +34,7 @@ import yaml
 
 from draftflow.file_names import file_name
 from draftflow.target_model import TargetModel, read_target_model
+from draftflow.target_source import resolve_target
 
 ON_TRACK, WILL_NOT_FIT, FAILED_SHARD, STALLED = 0, 3, 4, 5
 EXIT_CODES = {
@@ -449,8 +450,8 @@ def drafter_parameters(target: TargetModel, num_aux: int, draft_vocab: int, num_
 
 
 def target_model(config: dict) -> TargetModel:
-    """The target's text model (``target.path`` relative to the workflow directory, the cwd)."""
-    path = Path(config["target"]["path"]) / "config.json"
+    """The target's text model (``target.path`` relative to the workflow directory, the cwd, or a hub id)."""
+    path = resolve_target(config["target"]["path"]).folder / "config.json"
     if not path.exists():
         raise FileNotFoundError(
             f"--config: no target config at {path.resolve()}; run from the workflow directory or pass --reserve-bytes"

@@ -81,14 +81,17 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def provenance(config: dict, target: Path, stage_inputs: dict[str, list[str]], workflow_dir: Path) -> dict:
-    """``stage_inputs``: rule name → its input paths (the target is fingerprinted, not hashed)."""
+def provenance(
+    config: dict, target: Path, target_hub: dict | None, stage_inputs: dict[str, list[str]], workflow_dir: Path
+) -> dict:
+    """``target_hub``: the hub id, revision asked and commit ``target`` was resolved from (None for a
+    local folder). ``stage_inputs``: rule name → its input paths (the target is fingerprinted, not hashed)."""
     target = target.resolve()
     return {
         "config": config,
         "workflow_commit": git_commit(workflow_dir),
         "packages": package_versions(),
-        "target": {"path": str(target), "fingerprint": target_fingerprint(target)},
+        "target": {"path": str(target), "hub": target_hub, "fingerprint": target_fingerprint(target)},
         "stage_inputs": {
             stage: {path: path_digest(Path(path)) for path in paths if Path(path).resolve() != target}
             for stage, paths in stage_inputs.items()

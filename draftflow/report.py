@@ -93,20 +93,35 @@ def plot_runtimes(rows: list[dict], output: Path) -> None:
     save_png(figure, output)
 
 
+def generation_lines(generated: dict) -> list[str]:
+    """The generation bullet, with the user turns lost to ``generate.max_tokens``, and its warnings."""
+    summary = (
+        f"- generation: {generated['samples']} samples, {generated['errors']} errors, reasoning captured in "
+        f"{100 * generated['reasoning_capture_rate']:.1f}%, mean {generated['mean_prompt_tokens']:.0f} prompt / "
+        f"{generated['mean_response_tokens']:.0f} response tokens; {generated['conversations_with_lost_turns']} of "
+        f"{generated['conversations']} conversations ({generated['multi_turn_conversations']} multi-turn) lost "
+        f"{generated['user_turns_lost']} of {generated['user_turns']} user turns to generate.max_tokens"
+    )
+    return [summary] + [f"- **Warning (generate):** {warning}" for warning in generated["warnings"]]
+
+
+def fidelity_line(fidelity: dict) -> str:
+    if not fidelity["checked"]:
+        return f"- extraction fidelity (vLLM vs transformers): {fidelity['reason']}"
+    errors = ", ".join(f"{k}: {v:.1e}" for k, v in fidelity["max_relative_error_per_layer"].items())
+    return f"- extraction fidelity (vLLM vs transformers, max relative error per layer): {errors}"
+
+
 def markdown(run: str, rows: list[dict], stats: dict) -> str:
     coverage, evaluation, fidelity = stats["coverage"], stats["evaluation"], stats["fidelity"]
     lines = [f"# draftflow report: {run}", "", "## Stages", "", "| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(row[c]) for c in COLUMNS) + " |" for row in rows]
     lines += ["", "![runtime per stage](stage_runtimes.png)", "", "## Data", ""]
-    generated = stats["generate"]
+    lines += generation_lines(stats["generate"])
     lines += [
-        f"- generation: {generated['samples']} samples, {generated['errors']} errors, reasoning captured in "
-        f"{100 * generated['reasoning_capture_rate']:.1f}%, mean {generated['mean_prompt_tokens']:.0f} prompt / "
-        f"{generated['mean_response_tokens']:.0f} response tokens",
         f"- draft vocabulary: {100 * coverage['coverage']:.1f}% of loss-masked tokens covered at "
         f"K={coverage['draft_vocab_size']} (target vocabulary {coverage['target_vocab_size']})",
-        f"- extraction fidelity (vLLM vs transformers, max relative error per layer): "
-        f"{', '.join(f'{k}: {v:.1e}' for k, v in fidelity['max_relative_error_per_layer'].items())}",
+        fidelity_line(fidelity),
         "",
         "## Acceptance (held-out samples)",
         "",

@@ -128,6 +128,17 @@ class TargetModel:
                 return bool(settings["tie_word_embeddings"])
         return None
 
+    @property
+    def weight_bytes(self) -> int | None:
+        """Bytes of the safetensors weights (the index's total_size where it says), None without weights."""
+        index = self.folder / "model.safetensors.index.json"
+        if index.exists():
+            total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+            if total:
+                return int(total)
+        files = list(self.folder.glob("*.safetensors"))
+        return sum(path.stat().st_size for path in files) if files else None
+
     @cached_property
     def head_weights(self) -> HeadWeights:
         files = weight_files(self.folder)

@@ -2,12 +2,17 @@ import os
 from pathlib import Path
 
 from draftflow.provenance import code_version as draftflow_code_version
+from draftflow.fidelity import decide as decide_fidelity, device_memory_gb
 from draftflow.layers import resolve_layer_ids
 from draftflow.target_model import read_target_model
+from draftflow.target_source import resolve_target
 from draftflow.vllm_server import server_env, target_server_args
+from draftflow.vllm_support import check_cpu_engine
 
 RUN = config["run"]
-TARGET = config["target"]["path"]
+DEMO_TARGET = "resources/demo-target"
+TARGET_SOURCE = resolve_target(config["target"]["path"], workflow_builds=[DEMO_TARGET])
+TARGET = str(TARGET_SOURCE.folder)
 CONDA_ENV = f"../envs/{config['device']}.yaml"
 # Jobs import draftflow from the workflow folder: the venv has it through a .pth
 # file, a conda env made from CONDA_ENV has not.
@@ -66,6 +71,16 @@ def generation_server_args():
     return ["--reasoning-parser", parser] if parser else []
 
 
+def fidelity_decision():
+    """Whether the fidelity rule loads the target; its script decides again once the target exists."""
+    exists = (Path(TARGET) / "config.json").exists()
+    weight_bytes = read_target_model(TARGET).weight_bytes if exists else None
+    memory = device_memory_gb(
+        config["device"], config["extract"]["fidelity_device_memory_gb"]
+    )
+    return decide_fidelity(config["extract"]["fidelity"], weight_bytes, *memory)
+
+
 def extract_backend_options():
     return {
         "dtype": config["target"]["dtype"],
@@ -89,6 +104,19 @@ def check_target_now():
     target = read_target_model(TARGET)
     resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
     target.check_draft_vocab_size(config["vocab"]["draft_vocab_size"])
+    if config["device"] == "cpu":
+        check_cpu_engine(target, local_vllm_stages())
+
+
+def local_vllm_stages():
+    """The stages that would start a vLLM server for the target."""
+    starts_vllm = {
+        "generate": not config["generate"]["endpoint"],
+        "extract": config["extract"]["backend"] == "vllm",
+        "fidelity": fidelity_decision().check,
+        "serve_check": SERVE_CHECK,
+    }
+    return [stage for stage, starts in starts_vllm.items() if starts]
 
 
 check_target_now()

@@ -1,6 +1,6 @@
 rule demo_target:
     output:
-        model=directory("resources/demo-target"),
+        model=directory(DEMO_TARGET),
         prompts="resources/demo-prompts.jsonl",
     log:
         "logs/demo_target.log",

@@ -92,11 +92,16 @@ rule fidelity:
     conda:
         CONDA_ENV
     resources:
-        gpu=gpus_per_server(),
+        gpu=gpus_per_server() if fidelity_decision().check else 0,
     params:
         code=code_version("fidelity"),
+        setting=config["extract"]["fidelity"],
+        device=config["device"],
+        device_memory_gb=config["extract"]["fidelity_device_memory_gb"],
         samples=config["extract"]["fidelity_samples"],
         tolerance=config["extract"]["fidelity_tolerance"][config["target"]["dtype"]],
         backend_options=extract_backend_options(),
+    message:
+        f"fidelity: {fidelity_decision().reason}"
     script:
         "../scripts/fidelity.py"

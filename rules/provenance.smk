@@ -34,6 +34,7 @@ rule provenance:
     params:
         workflow_dir=workflow.basedir,
         code=code_version("provenance"),
+        target_hub=TARGET_SOURCE.hub_record(),
         stage_inputs={
             stage: [str(path) for path in getattr(rules, stage).input]
             for stage in PROVENANCE_STAGES

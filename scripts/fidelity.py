@@ -2,23 +2,33 @@ from pathlib import Path
 
 from draftflow.extract_backends import open_extractor
 from draftflow.extraction import load_samples
-from draftflow.fidelity import compare
+from draftflow.fidelity import compare, decide, device_memory_gb, not_checked
 from draftflow.io import read_json, write_json
 from draftflow.gpus import claim_gpus
 from draftflow.rule_log import logged
+from draftflow.target_model import read_target_model
 
 params = snakemake.params
-with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
+
+
+def check_fidelity(target: str) -> dict:
     plan = read_json(snakemake.input.plan)
     samples = load_samples(Path(snakemake.input.dataset))[: params.samples]
     states = {}
     for backend in ("transformers", "vllm"):
-        with open_extractor(backend, snakemake.input.target, plan["layer_ids"], params.backend_options, Path(snakemake.log.server)) as extract:
+        with open_extractor(backend, target, plan["layer_ids"], params.backend_options, Path(snakemake.log.server)) as extract:
             states[backend] = {sample.index: hs for sample, hs in extract(samples)}
-    result = compare(states["transformers"], states["vllm"], plan["layer_ids"], params.tolerance)
+    return compare(states["transformers"], states["vllm"], plan["layer_ids"], params.tolerance)
+
+
+with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
+    memory = device_memory_gb(params.device, params.device_memory_gb)
+    decision = decide(params.setting, read_target_model(snakemake.input.target).weight_bytes, *memory)
+    print(decision.reason)
+    result = {**check_fidelity(snakemake.input.target), "reason": decision.reason} if decision.check else not_checked(decision)
     write_json(snakemake.output.report, result)
     print(result)
-    if not result["passed"]:
+    if result["passed"] is False:
         raise SystemExit(
             f"vLLM and transformers hidden states differ beyond {params.tolerance} "
             f"(relative, per layer id): {result['max_relative_error_per_layer']}. "

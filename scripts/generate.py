@@ -17,6 +17,7 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
         seconds = timed(regenerate, url, conversations, partial_output, settings, server_log)
     finish(
         partial_output,
+        conversations,
         snakemake.input.target,
         settings,
         seconds,

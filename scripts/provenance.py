@@ -8,6 +8,7 @@ with logged(snakemake.log[0]):
     record = provenance(
         snakemake.config,
         Path(snakemake.input.target),
+        snakemake.params.target_hub,
         snakemake.params.stage_inputs,
         Path(snakemake.params.workflow_dir),
     )

