@@ -39,9 +39,10 @@ from collections import deque
 from collections.abc import Iterator
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from draftflow.extraction import Sample
+from draftflow.target_model import read_target_model
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -104,6 +105,15 @@ class _Launched:
         self.lengths = lengths
         self.states = states  # on the host once ``copied`` has completed
         self.copied = copied  # a CUDA event, or None on the CPU
+
+
+def load_target(model_path: str, **from_pretrained):
+    """The target in transformers. A multimodal checkpoint (its text model under
+    text_config) loads through its image-text class; its decoder is the text
+    model, run text-only."""
+    multimodal = bool(read_target_model(model_path).section)
+    auto_class = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    return auto_class.from_pretrained(model_path, **from_pretrained)
 
 
 class TransformersExtractor:
@@ -180,9 +190,7 @@ def transformers_extractor(
     trust_remote_code: bool = False,
     compile_layers: bool = False,
 ) -> Iterator[TransformersExtractor]:
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code
-    )
+    model = load_target(model_path, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code)
     model.to(device).eval()
     if compile_layers:
         compile_decoder_layers(model.get_decoder())

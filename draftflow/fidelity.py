@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from draftflow.progress import fmt_bytes
+
 if TYPE_CHECKING:
     import torch
 
@@ -29,16 +31,16 @@ class FidelityDecision:
     reason: str
 
 
-def device_memory_gb(device: str, configured_gb: float | None) -> tuple[float, str]:
-    """One device's memory in GB, and where the number comes from."""
+def device_memory(device: str, configured_gb: float | None) -> tuple[float, str]:
+    """One device's memory in bytes, and where the number comes from."""
     if configured_gb is not None:
-        return configured_gb, "extract.fidelity_device_memory_gb"
+        return configured_gb * GB, "extract.fidelity_device_memory_gb"
     if device == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB, "this machine's memory"
-    return DEFAULT_GPU_MEMORY_GB, "default for one GPU; set extract.fidelity_device_memory_gb"
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+    return DEFAULT_GPU_MEMORY_GB * GB, "default for one GPU; set extract.fidelity_device_memory_gb"
 
 
-def decide(setting: str, weight_bytes: int | None, memory_gb: float, memory_source: str) -> FidelityDecision:
+def decide(setting: str, weight_bytes: int | None, memory_bytes: float, memory_source: str) -> FidelityDecision:
     """Whether the fidelity rule loads the target (``extract.fidelity``: auto, always, never)."""
     if setting == "never":
         return FidelityDecision(False, "not checked: turned off (extract.fidelity: never)")
@@ -46,9 +48,12 @@ def decide(setting: str, weight_bytes: int | None, memory_gb: float, memory_sour
         return FidelityDecision(True, "checked: extract.fidelity is always")
     if weight_bytes is None:
         return FidelityDecision(True, "checked if the target fits one device, decided once it exists")
-    need = LOAD_OVERHEAD * weight_bytes / GB
-    sizes = f"{weight_bytes / GB:,.1f} GB of weights, {need:,.1f} GB to load; one device has {memory_gb:,.0f} GB ({memory_source})"
-    if need <= memory_gb:
+    need = LOAD_OVERHEAD * weight_bytes
+    sizes = (
+        f"{fmt_bytes(weight_bytes)} of weights, {fmt_bytes(need)} to load; one device has "
+        f"{fmt_bytes(memory_bytes)} ({memory_source})"
+    )
+    if need <= memory_bytes:
         return FidelityDecision(True, f"checked: the target fits one device ({sizes})")
     return FidelityDecision(
         False,

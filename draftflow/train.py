@@ -76,6 +76,10 @@ def drafter_flags(
         "--num-layers", str(shape.num_layers),
         "--draft-attn-impl", shape.attention,
         "--seed", str(shape.seed),
+        # EAGLE-3 uses no mask token, but speculators resolves one for every drafter
+        # type by loading the target's processor, which for multimodal targets needs
+        # torchvision (not in the CPU set); any id in the vocabulary will do.
+        "--mask-token-id", "0",
     ]  # fmt: skip
 
 

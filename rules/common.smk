@@ -2,7 +2,7 @@ import os
 from pathlib import Path
 
 from draftflow.provenance import code_version as draftflow_code_version
-from draftflow.fidelity import decide as decide_fidelity, device_memory_gb
+from draftflow.fidelity import decide as decide_fidelity, device_memory
 from draftflow.layers import resolve_layer_ids
 from draftflow.target_model import read_target_model
 from draftflow.target_source import resolve_target
@@ -75,7 +75,7 @@ def fidelity_decision():
     """Whether the fidelity rule loads the target; its script decides again once the target exists."""
     exists = (Path(TARGET) / "config.json").exists()
     weight_bytes = read_target_model(TARGET).weight_bytes if exists else None
-    memory = device_memory_gb(
+    memory = device_memory(
         config["device"], config["extract"]["fidelity_device_memory_gb"]
     )
     return decide_fidelity(config["extract"]["fidelity"], weight_bytes, *memory)

@@ -2,7 +2,7 @@ from pathlib import Path
 
 from draftflow.extract_backends import open_extractor
 from draftflow.extraction import load_samples
-from draftflow.fidelity import compare, decide, device_memory_gb, not_checked
+from draftflow.fidelity import compare, decide, device_memory, not_checked
 from draftflow.io import read_json, write_json
 from draftflow.gpus import claim_gpus
 from draftflow.rule_log import logged
@@ -22,7 +22,7 @@ def check_fidelity(target: str) -> dict:
 
 
 with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
-    memory = device_memory_gb(params.device, params.device_memory_gb)
+    memory = device_memory(params.device, params.device_memory_gb)
     decision = decide(params.setting, read_target_model(snakemake.input.target).weight_bytes, *memory)
     print(decision.reason)
     result = {**check_fidelity(snakemake.input.target), "reason": decision.reason} if decision.check else not_checked(decision)

@@ -47,7 +47,7 @@ def test_example_dry_runs_say_whether_fidelity_is_checked(tmp_path, name, num_la
     output = snakemake(tmp_path, config, "-n").stdout
     message = next(line for line in output.splitlines() if "fidelity: " in line).split("fidelity: ", 1)[1]
     assert message.startswith("checked:" if checked else "not checked:"), message
-    assert f"{weight_bytes / 1e9:,.1f} GB of weights" in message and "80 GB" in message
+    assert f"{weight_bytes / 1e9:.2f} GB of weights" in message and "80.00 GB" in message
 
 
 def test_layer_ids_beyond_the_target_stop_the_run_at_parse_time(tmp_path):

@@ -2,7 +2,7 @@
 
 import json
 
-from draftflow.fidelity import GB, decide, device_memory_gb, not_checked
+from draftflow.fidelity import GB, decide, device_memory, not_checked
 from draftflow.report import fidelity_line
 from draftflow.target_model import read_target_model
 
@@ -26,34 +26,34 @@ def test_weight_bytes_from_the_index_or_the_files(tmp_path):
 
 
 def test_auto_checks_a_target_that_fits_and_records_why_not_otherwise():
-    fits = decide("auto", int(60 * GB), 80, "default")
-    assert fits.check and "72.0 GB to load" in fits.reason and "80 GB" in fits.reason
-    too_big = decide("auto", int(594 * GB), 80, "default for one GPU")
+    fits = decide("auto", int(60 * GB), 80 * GB, "default")
+    assert fits.check and "72.00 GB to load" in fits.reason and "80.00 GB" in fits.reason
+    too_big = decide("auto", int(594 * GB), 80 * GB, "default for one GPU")
     assert not too_big.check
     assert too_big.reason.startswith("not checked:")
-    assert "594.0 GB of weights" in too_big.reason and "extract.fidelity: always" in too_big.reason
+    assert "594.00 GB of weights" in too_big.reason and "extract.fidelity: always" in too_big.reason
     # The 20% load overhead decides at the edge.
-    assert not decide("auto", int(70 * GB), 80, "x").check
+    assert not decide("auto", int(70 * GB), 80 * GB, "x").check
 
 
 def test_always_and_never_override_the_size():
-    assert decide("always", int(594 * GB), 80, "x").check
-    never = decide("never", 1, 80, "x")
+    assert decide("always", int(594 * GB), 80 * GB, "x").check
+    never = decide("never", 1, 80 * GB, "x")
     assert not never.check and "extract.fidelity: never" in never.reason
-    assert decide("auto", None, 80, "x").check  # decided again once the target exists
+    assert decide("auto", None, 80 * GB, "x").check  # decided again once the target exists
 
 
 def test_device_memory_comes_from_the_config_the_machine_or_the_gpu_default():
-    assert device_memory_gb("cuda", 141) == (141, "extract.fidelity_device_memory_gb")
-    assert device_memory_gb("cuda", None)[0] == 80
+    assert device_memory("cuda", 141) == (141 * GB, "extract.fidelity_device_memory_gb")
+    assert device_memory("cuda", None)[0] == 80 * GB
     with open("/proc/meminfo") as meminfo:
         total_kb = int(meminfo.readline().split()[1])
-    assert abs(device_memory_gb("cpu", None)[0] - total_kb * 1024 / GB) < 1
+    assert abs(device_memory("cpu", None)[0] - total_kb * 1024) < GB
 
 
 def test_the_report_says_not_checked_and_why():
-    decision = decide("auto", int(594 * GB), 80, "default")
+    decision = decide("auto", int(594 * GB), 80 * GB, "default")
     line = fidelity_line(not_checked(decision))
-    assert "not checked" in line and "594.0 GB" in line
+    assert "not checked" in line and "594.00 GB" in line
     checked = {"checked": True, "max_relative_error_per_layer": {"2": 3.8e-7, "8": 3e-7}}
     assert fidelity_line(checked).endswith("2: 3.8e-07, 8: 3.0e-07")

