@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 from draftflow.provenance import code_version as draftflow_code_version
@@ -120,6 +121,8 @@ def local_vllm_stages():
 
 
 check_target_now()
+if workflow.is_main_process:  # once per run, also with -n; not again in each job
+    print(f"fidelity: {fidelity_decision().reason}", file=sys.stderr)
 
 
 def train_settings():

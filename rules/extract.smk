@@ -101,7 +101,5 @@ rule fidelity:
         samples=config["extract"]["fidelity_samples"],
         tolerance=config["extract"]["fidelity_tolerance"][config["target"]["dtype"]],
         backend_options=extract_backend_options(),
-    message:
-        f"fidelity: {fidelity_decision().reason}"
     script:
         "../scripts/fidelity.py"

@@ -44,8 +44,8 @@ def test_example_dry_runs_with_one_job_per_shard(tmp_path, name, num_layers):
 )
 def test_example_dry_runs_say_whether_fidelity_is_checked(tmp_path, name, num_layers, weight_bytes, checked):
     config = example_config(name, tmp_path, num_layers, weight_bytes)
-    output = snakemake(tmp_path, config, "-n").stdout
-    message = next(line for line in output.splitlines() if "fidelity: " in line).split("fidelity: ", 1)[1]
+    output = snakemake(tmp_path, config, "-n").stderr
+    message = next(line for line in output.splitlines() if line.startswith("fidelity: ")).split("fidelity: ", 1)[1]
     assert message.startswith("checked:" if checked else "not checked:"), message
     assert f"{weight_bytes / 1e9:.2f} GB of weights" in message and "80.00 GB" in message
 
