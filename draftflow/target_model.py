@@ -80,6 +80,11 @@ class TargetModel:
     def vocab_size(self) -> int:
         return self.setting("vocab_size")
 
+    @property
+    def head_dim(self) -> int:
+        """Attention head width: ``head_dim`` where the config gives it, else hidden / heads."""
+        return self.text_config.get("head_dim") or self.hidden_size // self.setting("num_attention_heads")
+
     def check_draft_vocab_size(self, draft_vocab_size: int) -> None:
         if draft_vocab_size > self.vocab_size:
             raise ValueError(

@@ -42,10 +42,9 @@ def cpu_engine_problems(target: TargetModel) -> list[str]:
                 f"the CPU MLA backend takes {', '.join(map(str, CPU_MLA_HEAD_SIZES))}"
             )
     elif "num_attention_heads" in settings:
-        head_dim = settings.get("head_dim") or target.hidden_size // settings["num_attention_heads"]
-        if head_dim not in CPU_ATTENTION_HEAD_SIZES:
+        if target.head_dim not in CPU_ATTENTION_HEAD_SIZES:
             problems.append(
-                f"attention head_dim {head_dim}; the CPU attention backend takes "
+                f"attention head_dim {target.head_dim}; the CPU attention backend takes "
                 f"{', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}"
             )
     if target.model_type == "gpt_oss" and target.vocab_size < HARMONY_VOCAB_SIZE:

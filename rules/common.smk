@@ -114,15 +114,16 @@ def local_vllm_stages():
     starts_vllm = {
         "generate": not config["generate"]["endpoint"],
         "extract": config["extract"]["backend"] == "vllm",
-        "fidelity": fidelity_decision().check,
+        "fidelity": FIDELITY.check,
         "serve_check": SERVE_CHECK,
     }
     return [stage for stage, starts in starts_vllm.items() if starts]
 
 
+FIDELITY = fidelity_decision()
 check_target_now()
 if workflow.is_main_process:  # once per run, also with -n; not again in each job
-    print(f"fidelity: {fidelity_decision().reason}", file=sys.stderr)
+    print(f"fidelity: {FIDELITY.reason}", file=sys.stderr)
 
 
 def train_settings():

@@ -92,7 +92,7 @@ rule fidelity:
     conda:
         CONDA_ENV
     resources:
-        gpu=gpus_per_server() if fidelity_decision().check else 0,
+        gpu=gpus_per_server() if FIDELITY.check else 0,
     params:
         code=code_version("fidelity"),
         setting=config["extract"]["fidelity"],
