@@ -10,7 +10,7 @@ validate(config, "config/schema.yaml")
 
 
 wildcard_constraints:
-    shard=r"\d+",
+    server=r"\d+",
 
 
 include: "rules/common.smk"
@@ -31,3 +31,12 @@ rule all:
     input:
         rules.report.output,
         rules.provenance.output,
+
+
+onstart:
+    write_plan(
+        config,
+        Path(TARGET),
+        Path(result("")),
+        local_gpu_count() if snakemake_runs_locally() else None,
+    )

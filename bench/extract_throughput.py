@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from draftflow.extract_backends import open_extractor
-from draftflow.extraction import ExtractionSettings, load_samples, run_shard
+from draftflow.extract.backends import open_extractor
+from draftflow.extract.shards import ExtractionSettings, load_samples, run_shard
 from draftflow.io import read_json
 
 REPO = Path(__file__).resolve().parents[1]

@@ -65,7 +65,9 @@ def write_shard(hs_dir: Path, shard: int, samples: list[list[int]], done: int, r
         )
     (shard_dir / "journal.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     status = "done" if done == len(samples) else "running"
-    heartbeat = {"shard": shard, "pid": os.getpid(), "status": status, "started_at": ready - LOAD_S,
+    loads_model = shard < RUNNING_SHARDS  # each server job loads for its first shard only
+    heartbeat = {"shard": shard, "pid": os.getpid(), "status": status, "loads_model": loads_model,
+                 "started_at": ready - (LOAD_S if loads_model else 0),
                  "model_ready_at": ready, "updated_at": clock}  # fmt: skip
     (hs_dir / f"shard-{shard}.heartbeat.json").write_text(json.dumps(heartbeat))
     if status == "done":
@@ -79,17 +81,17 @@ def build(run_dir: Path, now: float) -> None:
     lengths = [min(8192, max(64, round(rng.lognormvariate(8.3, 0.6)))) for _ in range(SHARDS * PER_SHARD)]
     per_token = len(LAYER_IDS) * HIDDEN * BYTES_PER_VALUE + 8
     shards = [
-        {"shard": k, "samples": [[i, lengths[i]] for i in range(k, len(lengths), SHARDS)]}
+        {"shard": k, "server": k % RUNNING_SHARDS, "samples": [[i, lengths[i]] for i in range(k, len(lengths), SHARDS)]}
         for k in range(SHARDS)
     ]
     for shard in shards:
         shard["bytes"] = sum(t * per_token + 256 for _, t in shard["samples"])
-    plan = {"num_shards": SHARDS, "layer_ids": LAYER_IDS, "hidden_size": HIDDEN, "dtype": "bfloat16",
+    plan = {"num_shards": SHARDS, "servers": RUNNING_SHARDS, "layer_ids": LAYER_IDS, "hidden_size": HIDDEN, "dtype": "bfloat16",
             "samples": len(lengths), "tokens": sum(lengths), "bytes": sum(s["bytes"] for s in shards),
             "shards": shards, "disk": {}}  # fmt: skip
     (hs_dir / "plan.json").write_text(json.dumps(plan))
     wave_seconds = LOAD_S + 1.2 * max(sum(t for _, t in s["samples"]) for s in shards) * SECONDS_PER_TOKEN
-    for shard in shards[:DONE_SHARDS]:  # waves of eight shards side by side, like eight single-GPU servers
+    for shard in shards[:DONE_SHARDS]:  # waves of eight shards side by side: eight single-GPU server jobs
         waves_ago = DONE_SHARDS // RUNNING_SHARDS - shard["shard"] // RUNNING_SHARDS
         write_shard(hs_dir, shard["shard"], shard["samples"], PER_SHARD, now - waves_ago * wave_seconds)
     for shard in shards[DONE_SHARDS : DONE_SHARDS + RUNNING_SHARDS]:

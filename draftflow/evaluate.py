@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from draftflow.file_names import file_name
+from draftflow.extract.layout import file_name
 from draftflow.plots import pyplot, save_png
 from draftflow.target_model import TargetModel, read_target_model
 

@@ -367,6 +367,29 @@ def snakemake_runs_locally(
     return True
 
 
+def concurrent_servers(
+    configured: int | None, shards: int, gpus_per_server: int, local_gpus: int | None
+) -> tuple[int, str]:
+    """How many extraction server jobs (one model load each) share the shards, and why.
+
+    ``local_gpus``: the GPUs of this machine when the jobs run here, None on a
+    cluster (its GPU count is unknown to the workflow).
+    """
+    if configured is not None:
+        servers, reason = configured, "set by extract.servers"
+    elif gpus_per_server == 0:
+        servers, reason = 1, "one on CPU, where the jobs share the cores"
+    elif local_gpus is None:
+        servers, reason = shards, (
+            "one per shard: a cluster's GPU count is unknown here; set extract.servers "
+            "to the number of nodes (or servers) that can run at once"
+        )
+    else:
+        servers = max(1, local_gpus // gpus_per_server)
+        reason = f"{local_gpus} GPUs here, {gpus_per_server} per server"
+    return min(servers, shards), reason
+
+
 def local_memory_mb(fraction: float = 0.9) -> int:
     """``fraction`` of this machine's memory in MB: the local profile's ``mem_mb`` cap."""
     try:

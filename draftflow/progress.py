@@ -2,26 +2,26 @@
 
 Reads only what the extraction leaves under ``results/<run>/hidden_states/``:
 
-- ``plan.json``: every sample's token count (from the prepared dataset), per shard;
+- ``plan.json``: every sample's token count (from the prepared dataset), per
+  shard, and the server job of each shard;
 - ``shard-<k>/journal.jsonl``: finished files; one counts as done only when
   the journal lists it and its size on disk matches (what a rerun trusts);
 - the files: sizes, temp files in flight, and mtimes, which say when each
   file was finished, so the recent rate needs no history of its own;
-- ``shard-<k>.heartbeat.json``: state, pid, when loading began and when the
+- ``shard-<k>.heartbeat.json``: state, pid, whether the shard loads the model
+  (only the first of a server job's shards does), when loading began and when the
   model became ready (rates leave model loading out);
 - ``shard-<k>.json``: the manifest; a shard with one is done.
 
 Standard library (and PyYAML for ``--config``) only, so a check is fast:
-draftflow.hidden_states is not imported because it imports torch.
+draftflow.extract.hidden_states is not imported because it imports torch.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -30,11 +30,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
-import yaml
 
-from draftflow.file_names import file_name
+from draftflow.config import load_config
+from draftflow.costs import LATER_OUTPUTS, later_stage_bytes, tree_bytes
+from draftflow.extract import layout
 from draftflow.target_model import TargetModel, read_target_model
 from draftflow.target_source import resolve_target
+from draftflow.units import fmt_bytes, fmt_duration
 
 ON_TRACK, WILL_NOT_FIT, FAILED_SHARD, STALLED = 0, 3, 4, 5
 EXIT_CODES = {
@@ -43,18 +45,8 @@ EXIT_CODES = {
     FAILED_SHARD: "a shard failed (heartbeat says so, or its process is gone)",
     STALLED: "stalled: no shard has advanced for --stall-after seconds",
 }
-SCHEMA = Path(__file__).resolve().parents[1] / "config/schema.yaml"
-LATER_OUTPUTS = {  # what each later output writes under results/<run>/
-    "untrained drafter": ("drafter_untrained",),
-    "drafter": ("drafter",),
-    "training checkpoints": ("train",),
-    "training views": ("training_data",),
-    "evaluation and report": ("evaluation", "report"),
-}
-REPORT_ALLOWANCE_BYTES = 5_000_000  # evaluation plots and JSON, the report and its charts
 STATES = ("running", "loading", "done", "not started", "failed")
 ACTIVE = ("loading", "running")
-TO_LOAD = ("not started", "failed", "loading")
 MTIME_SLACK_S = 0.05
 
 
@@ -81,6 +73,7 @@ class ShardScan:
     """What one shard left on disk."""
 
     shard: int
+    server: int  # the extraction job that holds it (plan.json)
     planned: dict[int, int]  # row index -> tokens
     done: list[DoneFile]
     in_flight_bytes: int
@@ -120,8 +113,8 @@ class Rates:
 class Eta:
     seconds: float | None
     extracting_s: float | None  # remaining tokens at the recent token rate
-    loading_s: float | None  # model loads still ahead, spread over the shards running side by side
-    pending_loads: int
+    loading_s: float | None  # model loads still ahead, spread over the server jobs running side by side
+    pending_loads: int  # server jobs that still have to load the model
     ends_at: float | None
 
 
@@ -182,7 +175,7 @@ class Report:
 
 def hidden_states_dir(path: Path) -> Path:
     """Accept ``results/<run>`` or ``results/<run>/hidden_states``."""
-    return path if (path / "plan.json").exists() else path / "hidden_states"
+    return path if (path / layout.PLAN).exists() else path / "hidden_states"
 
 
 def read_json_or_none(path: Path) -> dict | None:
@@ -190,22 +183,6 @@ def read_json_or_none(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-
-
-def journal_records(path: Path) -> dict[int, dict]:
-    """Records after the settings-key line; a line torn by a kill is skipped."""
-    try:
-        lines = path.read_text().splitlines()[1:]
-    except FileNotFoundError:
-        return {}
-    records = {}
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        records[record["index"]] = record
-    return records
 
 
 def directory_stats(directory: Path) -> dict[str, os.stat_result]:
@@ -217,23 +194,25 @@ def directory_stats(directory: Path) -> dict[str, os.stat_result]:
 
 def scan_shard(hs_dir: Path, shard_plan: dict) -> ShardScan:
     shard = shard_plan["shard"]
-    shard_dir = hs_dir / f"shard-{shard}"
+    shard_dir = layout.shard_dir(hs_dir, shard)
     stats = directory_stats(shard_dir)
     planned = dict(shard_plan["samples"])
+    _, records = layout.read_journal(layout.journal_path(shard_dir))
     done = [
-        DoneFile(index, record["tokens"], record["bytes"], stats[name].st_mtime)
-        for index, record in journal_records(shard_dir / "journal.jsonl").items()
-        if index in planned and (name := file_name(index)) in stats and stats[name].st_size == record["bytes"]
+        DoneFile(index, record.tokens, record.bytes, stats[name].st_mtime)
+        for index, record in records.items()
+        if index in planned and (name := layout.file_name(index)) in stats and stats[name].st_size == record.bytes
     ]
-    written = {name for name in stats if name.startswith("hs_") and name.endswith(".safetensors")}
+    written = {name for name in stats if layout.file_index(name) is not None}
     return ShardScan(
         shard=shard,
+        server=shard_plan["server"],
         planned=planned,
         done=done,
-        in_flight_bytes=sum(st.st_size for name, st in stats.items() if name.endswith(".tmp")),
-        unjournaled_files=len(written - {file_name(f.index) for f in done}),
-        heartbeat=read_json_or_none(hs_dir / f"shard-{shard}.heartbeat.json"),
-        has_manifest=(hs_dir / f"shard-{shard}.json").exists(),
+        in_flight_bytes=sum(st.st_size for name, st in stats.items() if layout.is_temp_file(name)),
+        unjournaled_files=len(written - {layout.file_name(f.index) for f in done}),
+        heartbeat=read_json_or_none(layout.heartbeat_path(hs_dir, shard)),
+        has_manifest=layout.shard_manifest_path(hs_dir, shard).exists(),
     )
 
 
@@ -346,31 +325,46 @@ def estimate_eta(
 ) -> Eta:
     """Remaining tokens at the recent token rate, plus the model loads still ahead.
 
-    Shards not started or failed each need a full load (the mean measured
-    ``model_ready_at - started_at``), a loading one the rest of it; loads of
-    shards that run side by side overlap, so the sum is divided by their number.
+    Loads follow server jobs, not shards. A server job with unfinished shards
+    and none running (not started, or killed: a failed shard) needs a full load
+    (the mean measured ``model_ready_at - started_at`` of the shards that
+    loaded), a loading one the rest of it; loads of server jobs that run side
+    by side overlap, so the sum is divided by their number.
     """
     loads = [
-        h["model_ready_at"] - h["started_at"] for s in scans if (h := s.heartbeat) and h.get("model_ready_at")
+        h["model_ready_at"] - h["started_at"]
+        for s in scans
+        if (h := s.heartbeat) and h.get("model_ready_at") and h["loads_model"]
     ]
-    pending = sum(state in TO_LOAD for state in states)
+    servers: dict[int, list[tuple[ShardScan, str]]] = {}
+    for scan, state in zip(scans, states, strict=True):
+        servers.setdefault(scan.server, []).append((scan, state))
     if remaining_tokens == 0:
         return Eta(0.0, 0.0, 0.0, 0, now)
-    if not rates.recent_tokens_per_s or not loads:
+    mean_load = sum(loads) / len(loads) if loads else None
+    ahead = [load_still_ahead(shards, mean_load, now) for shards in servers.values()]
+    pending = sum(load != 0.0 for load in ahead)
+    if not rates.recent_tokens_per_s or mean_load is None:
         return Eta(None, None, None, pending, None)
-    mean_load = sum(loads) / len(loads)
-    load_left = sum(
-        load_still_ahead(s, state, mean_load, now) for s, state in zip(scans, states, strict=True)
-    )
-    loading = load_left / max(1, sum(state in ACTIVE for state in states))
+    active = sum(any(state in ACTIVE for _, state in shards) for shards in servers.values())
+    loading = sum(ahead) / max(1, active)
     extracting = remaining_tokens / rates.recent_tokens_per_s
     return Eta(extracting + loading, extracting, loading, pending, now + extracting + loading)
 
 
-def load_still_ahead(scan: ShardScan, state: str, mean_load: float, now: float) -> float:
-    if state == "loading":
-        return max(0.0, mean_load - (now - scan.heartbeat["started_at"]))
-    return mean_load if state in TO_LOAD else 0.0
+def load_still_ahead(shards: list[tuple[ShardScan, str]], mean_load: float | None, now: float) -> float | None:
+    """Seconds of model loading one server job still has ahead (None: a load of unknown length)."""
+    states = [state for _, state in shards]
+    if all(state == "done" for state in states) or "running" in states:
+        return 0.0
+    loading = [scan for scan, state in shards if state == "loading"]
+    if loading and not loading[0].heartbeat["loads_model"]:
+        return 0.0  # between two shards of a server job that holds the model
+    if mean_load is None:
+        return None
+    if loading:
+        return max(0.0, mean_load - (now - loading[0].heartbeat["started_at"]))
+    return mean_load
 
 
 # -- size: exact from each remaining sample's tokens, and the naive line ------
@@ -390,7 +384,7 @@ def project_size(hs_dir: Path, plan: dict, scans: list[ShardScan]) -> Size:
         return Size(0, None, None, None, plan["bytes"], None, plan["bytes"])
     sample = next(s for s in scans if s.done)
     per_token = data_bytes_per_token(
-        hs_dir / f"shard-{sample.shard}" / file_name(sample.done[0].index), sample.done[0].tokens
+        layout.shard_dir(hs_dir, sample.shard) / layout.file_name(sample.done[0].index), sample.done[0].tokens
     )
     done_tokens = sum(f.tokens for f in done)
     header = (done_bytes - per_token * done_tokens) / len(done)
@@ -412,43 +406,6 @@ def project_size(hs_dir: Path, plan: dict, scans: list[ShardScan]) -> Size:
 # -- disk: free space against the rest of the extraction and the later stages -
 
 
-@functools.cache
-def schema() -> dict:
-    return yaml.safe_load(SCHEMA.read_text())
-
-
-def setting(config: dict, *keys: str):
-    """A config value, or the schema's default for it (the Snakefile fills the same)."""
-    node, value = schema(), config
-    for key in keys:
-        node = node["properties"][key]
-        value = value.get(key, {}) if isinstance(value, dict) else {}
-    return node["default"] if value == {} else value
-
-
-def drafter_parameters(target: TargetModel, num_aux: int, draft_vocab: int, num_layers: int) -> tuple[int, int]:
-    """(saved, trained) parameters of speculators' EAGLE-3 drafter for this target.
-
-    Saved: the embedding (target vocab x hidden) and lm_head (draft vocab x
-    hidden), both taken from the target and frozen; fc with its input norm
-    (aux layers x hidden -> hidden); decoder layers with the target's shapes,
-    the first one reading [embedding, hidden] (2 x hidden) and holding the
-    hidden norm; the final norm. Trained: all but the embedding and lm_head.
-    """
-    hidden, intermediate = target.hidden_size, target.setting("intermediate_size")
-    heads = target.setting("num_attention_heads")
-    kv_heads = target.text_config.get("num_key_value_heads") or heads
-    head_dim = target.head_dim
-
-    def layer(inputs: int) -> int:
-        attention = inputs * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
-        return attention + 3 * hidden * intermediate + 2 * hidden
-
-    first_layer = layer(2 * hidden) + hidden
-    trained = num_aux * hidden * (hidden + 1) + first_layer + (num_layers - 1) * layer(hidden) + hidden
-    return (target.vocab_size + draft_vocab) * hidden + trained, trained
-
-
 def target_model(config: dict) -> TargetModel:
     """The target's text model (``target.path`` relative to the workflow directory, the cwd, or a hub id)."""
     path = resolve_target(config["target"]["path"]).folder / "config.json"
@@ -457,45 +414,6 @@ def target_model(config: dict) -> TargetModel:
             f"--config: no target config at {path.resolve()}; run from the workflow directory or pass --reserve-bytes"
         )
     return read_target_model(path.parent)
-
-
-def later_stage_estimate(config: dict, plan: dict, run_dir: Path) -> dict[str, int]:
-    """Bytes the stages after extraction write at their peak, per output (see LATER_OUTPUTS).
-
-    The untrained drafter is saved in bfloat16. The training state also holds
-    the target's lm_head and norm, and Adam's two moments of the trained
-    parameters. CPU (draftflow's loop): the drafter in float32 and one
-    training checkpoint, counted twice, as it is replaced by a new one
-    atomically. CUDA (speculators' Trainer): bfloat16 and a checkpoint per
-    epoch, all kept. Training views: rows of the prepared dataset (the hidden
-    states are links). Evaluation and report: a fixed allowance.
-    """
-    target = target_model(config)
-    draft_vocab = setting(config, "vocab", "draft_vocab_size")
-    saved, trained = drafter_parameters(
-        target, len(plan["layer_ids"]) - 1, draft_vocab, setting(config, "train", "num_layers")
-    )
-    in_training = saved + (draft_vocab + 1) * target.hidden_size
-    if setting(config, "device") == "cuda":
-        drafter = 2 * in_training
-        checkpoints = setting(config, "train", "epochs") * (2 * in_training + 4 * trained)
-    else:
-        drafter, checkpoints = 4 * saved, 2 * (4 * in_training + 8 * trained)
-    return {
-        "untrained drafter": 2 * saved,
-        "drafter": drafter,
-        "training checkpoints": checkpoints,
-        "training views": tree_bytes(run_dir / "prepared/dataset"),
-        "evaluation and report": REPORT_ALLOWANCE_BYTES,
-    }
-
-
-def tree_bytes(path: Path) -> int:
-    """Bytes of the files under ``path``; links count as links, not as their targets."""
-    total = 0
-    for directory, _, names in os.walk(path):
-        total += sum(os.lstat(os.path.join(directory, name)).st_size for name in names)
-    return total
 
 
 def later_stages(options: Options, plan: dict, run_dir: Path) -> tuple[int, str, dict[str, dict[str, int]]]:
@@ -508,7 +426,10 @@ def later_stages(options: Options, plan: dict, run_dir: Path) -> tuple[int, str,
         return options.reserve_bytes, "--reserve-bytes", {}
     if options.config is None:
         return 0, "not counted: pass --config or --reserve-bytes", {}
-    estimate = later_stage_estimate(yaml.safe_load(options.config.read_text()), plan, run_dir)
+    config = load_config(options.config)
+    estimate = later_stage_bytes(
+        config, target_model(config), len(plan["layer_ids"]), tree_bytes(run_dir / "prepared/dataset")
+    )
     detail = {
         output: {
             "estimated": estimate[output],
@@ -602,7 +523,7 @@ def check(run_dir: Path, options: Options = Options(), now: float | None = None)
     """Everything the report shows, for ``results/<run>`` (or its hidden_states/)."""
     now = time.time() if now is None else now
     hs_dir = hidden_states_dir(Path(run_dir))
-    plan = json.loads((hs_dir / "plan.json").read_text())
+    plan = json.loads((hs_dir / layout.PLAN).read_text())
     scans = [scan_shard(hs_dir, shard_plan) for shard_plan in plan["shards"]]
     states, notes = zip(*(shard_state(s, options.check_pids) for s in scans), strict=True)
     shards = [
@@ -642,27 +563,6 @@ def check(run_dir: Path, options: Options = Options(), now: float | None = None)
 
 
 # -- output -------------------------------------------------------------------
-
-
-def fmt_bytes(n: float) -> str:
-    """Decimal units, as df -H and the plan's messages."""
-    if abs(n) < 1000:
-        return f"{n:.0f} B"
-    for unit in ("kB", "MB", "GB", "TB"):
-        n /= 1000
-        if abs(n) < 1000 or unit == "TB":
-            break
-    return f"{n:.2f} {unit}"
-
-
-def fmt_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "unknown"
-    if seconds < 60:
-        return f"{seconds:.2g}s" if seconds < 10 else f"{seconds:.0f}s"
-    minutes, secs = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 def fmt_rate(value: float | None, unit: str) -> str:
@@ -828,16 +728,3 @@ def watch(run_dir: Path, options: Options, interval_s: float, out: TextIO = sys.
     except KeyboardInterrupt:
         pass
     return report.exit_code
-
-
-SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``123``, ``500G``, ``1.5TB`` (decimal) or ``2TiB`` (binary)."""
-    match = SIZE.match(text)
-    if not match:
-        raise ValueError(f"not a size: {text!r} (examples: 123456, 500G, 1.5TB, 2TiB)")
-    number, prefix, binary = match.groups()
-    base = 1024 if binary else 1000
-    return round(float(number) * base ** "_kmgtp".index(prefix.lower() or "_"))

@@ -19,7 +19,7 @@ def read_benchmark(path: Path) -> dict:
 
 
 def stage_of(benchmark: Path) -> str:
-    """extract_shard-3.tsv → extract_shard: shards are summed into one stage."""
+    """extract_server-3.tsv → extract_server: a stage's jobs are summed into one row."""
     return benchmark.stem.split("-")[0]
 
 
@@ -52,9 +52,9 @@ def stage_work(stats: dict, runtimes: dict) -> dict[str, tuple[str, str]]:
             f"{generated['response_tokens_per_second']:,.1f} tokens/s (server up)",
         ),
         "prepare": (f"{prepared['kept']} samples, {prepared['tokens']:,} tokens", rate(prepared["tokens"], seconds("prepare"), "tokens")),
-        "extract_shard": (
+        "extract_server": (
             f"{extracted['samples']} samples, {extracted['tokens']:,} tokens, {extracted['bytes'] / 1e6:,.1f} MB written",
-            f"{rate(extracted['tokens'], seconds('extract_shard'), 'tokens')}, {rate(extracted['bytes'] / 1e6, seconds('extract_shard'), 'MB')}",
+            f"{rate(extracted['tokens'], seconds('extract_server'), 'tokens')}, {rate(extracted['bytes'] / 1e6, seconds('extract_server'), 'MB')}",
         ),
         "train": (f"{trained.get('steps', 'n/a')} steps", f"{trained.get('supervised_tokens_per_second', 0):,.1f} supervised tokens/s"),
     }

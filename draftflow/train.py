@@ -209,6 +209,7 @@ def train_on_cpu(init_dir: Path, view_dir: Path, settings: TrainSettings, work_d
         "loss_history": history,
         "seconds_this_run": seconds,
         "supervised_tokens_per_second": tokens / seconds if seconds else 0.0,
+        "gpus": 0,
         "trainer": "draftflow single-process loop (CPU)",
     }
 
@@ -268,6 +269,7 @@ def train_with_trainer(
     stats = {
         "epochs": settings.epochs,
         "seconds_this_run": seconds,
+        "gpus": settings.gpus,
         "trainer": f"speculators Trainer ({settings.gpus} process{'es' if settings.gpus > 1 else ''}, bf16 autocast)",
     }
     return stats | trainer_metrics(metrics, view_dir, settings, data_ratio)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from datasets import load_from_disk
 
-from draftflow.file_names import file_name
-from draftflow.hidden_states import opens_cleanly
+from draftflow.extract.layout import file_name
+from draftflow.extract.hidden_states import opens_cleanly
 from draftflow.io import atomic_path, read_json
 
 
@@ -25,12 +25,13 @@ def is_heldout(sample_id: str, fraction: float, seed: int) -> bool:
     return int(digest[:12], 16) / 16**12 < fraction
 
 
-def hidden_state_files(manifest_paths: list[str]) -> dict[int, tuple[Path, int]]:
-    """Dataset row → (its file, its size in bytes), from the shard manifests."""
+def hidden_state_files(summary_path: Path) -> dict[int, tuple[Path, int]]:
+    """Dataset row → (its file, its size in bytes), from the shard manifests the
+    extraction's summary (``hidden_states/manifest.json``) lists."""
+    base = summary_path.parent
     files = {}
-    for manifest_path in manifest_paths:
-        base = Path(manifest_path).parent
-        for entry in read_json(manifest_path)["files"]:
+    for manifest in read_json(summary_path)["shards"]:
+        for entry in read_json(base / manifest)["files"]:
             files[entry["index"]] = (base / entry["file"], entry["bytes"])
     return files
 
@@ -46,7 +47,7 @@ def check_file(path: Path, size: int, sample_id: str) -> None:
     if problem:
         raise ValueError(
             f"Hidden-state file {path} (sample {sample_id}) {problem}. Delete it and run "
-            "`snakemake --forcerun extract_shard`: shards keep the files their journal "
+            "`snakemake --forcerun extract_server`: shards keep the files their journal "
             "vouches for and extract the missing ones again."
         )
 

@@ -3,8 +3,11 @@ import sys
 from pathlib import Path
 
 from draftflow.provenance import code_version as draftflow_code_version
-from draftflow.fidelity import decide as decide_fidelity, device_memory
+from draftflow.extract.fidelity import decide as decide_fidelity, device_memory
+from draftflow.gpus import concurrent_servers, local_gpu_count, snakemake_runs_locally
+from draftflow.extract import layout
 from draftflow.layers import resolve_layer_ids
+from draftflow.plan import write_plan
 from draftflow.target_model import read_target_model
 from draftflow.target_source import resolve_target
 from draftflow.vllm_server import server_env, target_server_args
@@ -120,10 +123,26 @@ def local_vllm_stages():
     return [stage for stage, starts in starts_vllm.items() if starts]
 
 
+def extract_servers():
+    """(server jobs, why): each loads the target once and works through its shards."""
+    return concurrent_servers(
+        config["extract"]["servers"],
+        config["extract"]["shards"],
+        gpus_per_server(),
+        local_gpu_count() if snakemake_runs_locally() else None,
+    )
+
+
 FIDELITY = fidelity_decision()
+EXTRACT_SERVERS, EXTRACT_SERVERS_REASON = extract_servers()
 check_target_now()
 if workflow.is_main_process:  # once per run, also with -n; not again in each job
     print(f"fidelity: {FIDELITY.reason}", file=sys.stderr)
+    print(
+        f"extract: {config['extract']['shards']} shards on {EXTRACT_SERVERS} server "
+        f"job(s), one model load each; {EXTRACT_SERVERS_REASON}",
+        file=sys.stderr,
+    )
 
 
 def train_settings():

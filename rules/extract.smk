@@ -11,7 +11,7 @@ rule extract_plan:
         dataset=rules.prepare.output.dataset,
         target=TARGET,
     output:
-        plan=f"{HIDDEN_STATES}/plan.json",
+        plan=f"{HIDDEN_STATES}/{layout.PLAN}",
     log:
         log_path("extract_plan"),
     benchmark:
@@ -22,6 +22,7 @@ rule extract_plan:
         code=code_version("extract_plan"),
         output_dir=lambda wildcards, output: Path(output[0]).parent,
         shards=config["extract"]["shards"],
+        servers=EXTRACT_SERVERS,
         layer_ids=config["extract"]["layer_ids"],
         dtype=config["target"]["dtype"],
         disk_margin=config["extract"]["disk_margin"],
@@ -29,42 +30,42 @@ rule extract_plan:
         "../scripts/extract_plan.py"
 
 
-rule extract_shard:
+rule extract_server:
     input:
         plan=rules.extract_plan.output.plan,
         dataset=rules.prepare.output.dataset,
         target=TARGET,
     output:
-        manifest=f"{HIDDEN_STATES}/shard-{{shard}}.json",
+        manifest=str(layout.server_manifest_path(HIDDEN_STATES, "{server}")),
     log:
-        log=log_path("extract_shard-{shard}"),
-        server=log_path("extract_shard-{shard}", "server.log"),
+        log=log_path("extract_server-{server}"),
+        server=log_path("extract_server-{server}", "server.log"),
     benchmark:
-        benchmark_path("extract_shard-{shard}")
+        benchmark_path("extract_server-{server}")
     conda:
         CONDA_ENV
     resources:
         gpu=gpus_per_server(),
     params:
-        code=code_version("extract_shard"),
+        code=code_version("extract_server"),
         output_dir=lambda wildcards, output: Path(output[0]).parent,
         backend=config["extract"]["backend"],
         backend_options=extract_backend_options(),
         write_threads=config["extract"]["write_threads"],
     script:
-        "../scripts/extract_shard.py"
+        "../scripts/extract_server.py"
 
 
 rule extract:
     input:
-        manifests=expand(
-            f"{HIDDEN_STATES}/shard-{{shard}}.json",
-            shard=range(config["extract"]["shards"]),
+        servers=expand(
+            str(layout.server_manifest_path(HIDDEN_STATES, "{server}")),
+            server=range(EXTRACT_SERVERS),
         ),
     output:
-        summary=f"{HIDDEN_STATES}/manifest.json",
-        progress=f"{HIDDEN_STATES}/progress.txt",
-        progress_json=f"{HIDDEN_STATES}/progress.json",
+        summary=f"{HIDDEN_STATES}/{layout.SUMMARY}",
+        progress=f"{HIDDEN_STATES}/{layout.PROGRESS_TABLE}",
+        progress_json=f"{HIDDEN_STATES}/{layout.PROGRESS_JSON}",
     log:
         log_path("extract"),
     benchmark:

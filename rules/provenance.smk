@@ -4,7 +4,7 @@ PROVENANCE_STAGES = [
     "prepare",
     "vocab_map",
     "extract_plan",
-    "extract_shard",
+    "extract_server",
     "extract",
     "fidelity",
     "drafter_init",

@@ -15,8 +15,8 @@ rule report:
             )
         ]
         + expand(
-            benchmark_path("extract_shard-{shard}"),
-            shard=range(config["extract"]["shards"]),
+            benchmark_path("extract_server-{server}"),
+            server=range(EXTRACT_SERVERS),
         )
         + [
             benchmark_path(stage)

@@ -30,7 +30,7 @@ rule drafter_init:
 rule train_views:
     input:
         dataset=rules.prepare.output.dataset,
-        manifests=rules.extract.input.manifests,
+        hidden_states=rules.extract.output.summary,
     output:
         train=directory(result("training_data/train")),
         heldout=directory(result("training_data/heldout")),

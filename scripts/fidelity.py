@@ -1,8 +1,8 @@
 from pathlib import Path
 
-from draftflow.extract_backends import open_extractor
-from draftflow.extraction import load_samples
-from draftflow.fidelity import compare, decide, device_memory, not_checked
+from draftflow.extract.backends import open_extractor
+from draftflow.extract.shards import load_samples
+from draftflow.extract.fidelity import compare, decide, device_memory, not_checked
 from draftflow.io import read_json, write_json
 from draftflow.gpus import claim_gpus
 from draftflow.rule_log import logged

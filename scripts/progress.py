@@ -15,7 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from draftflow.progress import EXIT_CODES, Options, check, parse_size, render_json, render_table, watch
+from draftflow.progress import EXIT_CODES, Options, check, render_json, render_table, watch
+from draftflow.units import parse_size
 
 
 def size(text: str) -> int:

@@ -12,7 +12,7 @@ with logged(snakemake.log[0]):
             f"train.heldout_fraction={snakemake.params.heldout_fraction} leaves "
             f"{len(train_rows)} training and {len(heldout_rows)} held-out samples; both need some."
         )
-    files = hidden_state_files(snakemake.input.manifests)
+    files = hidden_state_files(Path(snakemake.input.hidden_states))
     build_view(dataset, files, train_rows, Path(snakemake.output.train))
     build_view(dataset, files, heldout_rows, Path(snakemake.output.heldout))
     write_json(snakemake.output.split, {"train_rows": train_rows, "heldout_rows": heldout_rows})

@@ -30,12 +30,20 @@ def example_config(name, tmp_path, num_layers, weight_bytes=None):
     return config
 
 
-@pytest.mark.parametrize(("name", "num_layers"), [("llama-8b-1gpu.yaml", 32), ("moe-1t-8gpu.yaml", 61)])
-def test_example_dry_runs_with_one_job_per_shard(tmp_path, name, num_layers):
+@pytest.mark.parametrize(
+    ("name", "num_layers", "gpus", "servers"),
+    [("llama-8b-1gpu.yaml", 32, "0", 1), ("llama-8b-1gpu.yaml", 32, "0,1", 2), ("moe-1t-8gpu.yaml", 61, "0,1,2,3,4,5,6,7", 1)],
+)  # fmt: skip
+def test_example_dry_runs_load_the_model_once_per_server_that_fits_the_node(tmp_path, monkeypatch, name, num_layers, gpus, servers):
+    """Loads follow the servers the node's GPUs hold, not the shards (the 1T example: 64 shards, one load)."""
+    monkeypatch.setenv("DRAFTFLOW_GPUS", gpus)
     config = example_config(name, tmp_path, num_layers)
-    counts = job_counts(snakemake(tmp_path, config, "-n").stdout)
-    assert counts["extract_shard"] == config["extract"]["shards"]
-    assert counts["total"] < config["extract"]["shards"] + 20
+    process = snakemake(tmp_path, config, "-n")
+    counts = job_counts(process.stdout)
+    assert counts["extract_server"] == servers and config["extract"]["shards"] > servers
+    assert counts["total"] < 20
+    shards = config["extract"]["shards"]
+    assert f"extract: {shards} shards on {servers} server job(s), one model load each" in process.stderr
 
 
 @pytest.mark.parametrize(

@@ -68,13 +68,17 @@ def test_training_view_loads_in_speculators_dataset(demo_run):
     assert sample["loss_mask"].sum() > 0
 
 
-def test_killed_shard_resumes_without_losing_finished_files(workdir, demo_run):
-    """SIGKILL the workflow while shard 0 is extracting; the rerun finishes it."""
-    shard_dir = demo_run / "hidden_states/shard-0"
-    for output in ("shard-0.json", "manifest.json"):
-        (demo_run / "hidden_states" / output).unlink()
+def test_a_killed_server_job_resumes_each_of_its_shards_from_its_journal(workdir, demo_run):
+    """The demo's one server job holds both shards; SIGKILL it while shard 1
+    extracts (shard 0 finished); the rerun keeps shard 0, resumes shard 1."""
+    hidden_states = demo_run / "hidden_states"
+    assert json.loads((hidden_states / "plan.json").read_text())["servers"] == 1
+    shard_dir = hidden_states / "shard-1"
+    for output in ("server-0.json", "shard-0.json", "shard-1.json", "manifest.json"):
+        (hidden_states / output).unlink()
     for path in shard_dir.iterdir():
         path.unlink()
+    shard_0_files = sorted(p.name for p in (hidden_states / "shard-0").glob("hs_*.safetensors"))
     config_path = workdir / "config-demo.yaml"
     command = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
                "--configfile", str(config_path), "--cores", "1", "extract"]  # fmt: skip
@@ -82,19 +86,23 @@ def test_killed_shard_resumes_without_losing_finished_files(workdir, demo_run):
     journal = shard_dir / "journal.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and (not journal.exists() or len(journal.read_text().splitlines()) < 12):
-        assert process.poll() is None, "snakemake ended before shard 0 started"
+        assert process.poll() is None, "snakemake ended before shard 1 started"
         time.sleep(0.05)
     done_before_kill = len(journal.read_text().splitlines()) - 1
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    assert 10 < done_before_kill < 120, "the kill did not land mid-shard"
+    assert 10 < done_before_kill < 100, "the kill did not land mid-shard"
 
     snakemake(workdir, demo_config(), "--unlock")  # a killed Snakemake leaves its lock
     rerun = snakemake(workdir, demo_config(), "extract", "--rerun-incomplete")
-    log = (workdir / "logs/demo/extract_shard-0.log").read_text()
-    resumed = int(re.search(r"shard 0: (\d+) of \d+ samples already on disk", log).group(1))
-    assert resumed >= done_before_kill
     assert rerun.returncode == 0
+    log = (workdir / "logs/demo/extract_server-0.log").read_text()
+    on_disk = dict(re.findall(r"shard (\d): (\d+ of \d+) samples already on disk", log))  # the rerun's, last
+    assert on_disk["0"] == f"{len(shard_0_files)} of {len(shard_0_files)}"
+    assert int(on_disk["1"].split()[0]) >= done_before_kill
+    heartbeats = [json.loads((hidden_states / f"shard-{k}.heartbeat.json").read_text()) for k in (0, 1)]
+    assert [h["loads_model"] for h in heartbeats] == [False, True]  # one load, for the shard with work left
+    assert sorted(p.name for p in (hidden_states / "shard-0").glob("hs_*.safetensors")) == shard_0_files
     assert_manifests_match_files(demo_run)
     assert no_vllm_server_within(60), "a vLLM server outlived its killed job"
 

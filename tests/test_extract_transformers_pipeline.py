@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftflow.extract_transformers import TransformersExtractor, batches_by_token_budget
-from draftflow.extraction import Sample
+from draftflow.extract.transformers_backend import TransformersExtractor, batches_by_token_budget
+from draftflow.extract.layout import Sample
 
 LAYERS = 4
 

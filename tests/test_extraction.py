@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftflow.extract_transformers import batches_by_token_budget, transformers_extractor
-from draftflow.extraction import ExtractionSettings, Sample, ShardJournal, plan_extraction, run_shard, shard_of
-from draftflow.hidden_states import expected_bytes, write_sample
+from draftflow.extract.transformers_backend import batches_by_token_budget, transformers_extractor
+from draftflow.extract.hidden_states import write_sample
+from draftflow.extract.layout import Sample, hidden_state_bytes
+from draftflow.extract.shards import ExtractionSettings, ShardJournal, plan_extraction, run_shard, shard_of
 from draftflow.layers import resolve_layer_ids
 
 LAYERS = 8
@@ -90,7 +91,7 @@ def test_shard_resumes_and_redoes_only_damaged_files(tiny_target, tmp_path):
 
     shard_dir = tmp_path / "shard-0"
     first = run_shard(samples, 0, shard_dir, tmp_path / "hb.json", settings, open_extractor)
-    plan = plan_extraction(samples, 1, layer_ids, 64, "float32")
+    plan = plan_extraction(samples, 1, 1, layer_ids, 64, "float32")
     actual = sum(r.bytes for r in first)
     assert actual <= plan["bytes"] and plan["bytes"] - actual <= 256 * len(samples)
     damaged = shard_dir / "hs_3.safetensors"
@@ -114,11 +115,11 @@ def test_shard_resumes_and_redoes_only_damaged_files(tiny_target, tmp_path):
     assert [r.sha256 for r in third] != [r.sha256 for r in first]
 
 
-def test_expected_bytes_is_exact_up_to_the_header():
+def test_hidden_state_bytes_is_exact_up_to_the_header():
     from safetensors.torch import save
 
     payload = save({"hidden_states": torch.zeros(37, 4, 64), "token_ids": torch.zeros(37, dtype=torch.int64)})
-    assert 0 <= expected_bytes(37, 4, 64, "float32") - len(payload) <= 256
+    assert 0 <= hidden_state_bytes(37, 4, 64, "float32") - len(payload) <= 256
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

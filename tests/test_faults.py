@@ -12,10 +12,11 @@ import pytest
 import torch
 from datasets import load_from_disk
 
-from draftflow.extract_transformers import transformers_extractor
-from draftflow.extraction import ExtractionSettings, Sample, ShardJournal, run_shard
+from draftflow.extract.transformers_backend import transformers_extractor
+from draftflow.extract.layout import Sample
+from draftflow.extract.shards import ExtractionSettings, ShardJournal, run_shard
 from draftflow.generate import check_error_rate, unresolved_errors
-from draftflow.hidden_states import DiskFullError
+from draftflow.extract.hidden_states import DiskFullError
 from draftflow.prompts import BadPromptRow, select_prompts
 from draftflow.training_data import check_file
 from draftflow.io import iter_jsonl

@@ -2,7 +2,7 @@
 
 import json
 
-from draftflow.fidelity import GB, decide, device_memory, not_checked
+from draftflow.extract.fidelity import GB, decide, device_memory, not_checked
 from draftflow.report import fidelity_line
 from draftflow.target_model import read_target_model
 

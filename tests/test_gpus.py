@@ -299,3 +299,20 @@ def test_default_profile_sets_memory_for_every_rule(monkeypatch):
     rules = set(listed) - {"all"}
     assert rules <= set(local["set-resources"]), rules - set(local["set-resources"])
     assert all(set(res) == {"mem_mb"} for res in local["set-resources"].values())
+
+
+@pytest.mark.parametrize(
+    ("configured", "shards", "per_server", "local_gpus", "servers", "why"),
+    [
+        (None, 2, 0, 0, 1, "on CPU"),
+        (None, 64, 8, 8, 1, "8 GPUs here, 8 per server"),
+        (None, 16, 1, 8, 8, "8 GPUs here, 1 per server"),
+        (None, 4, 1, 8, 4, "8 GPUs here"),  # never more servers than shards
+        (None, 64, 8, 0, 1, "0 GPUs here"),  # a dry run on a machine without GPUs
+        (None, 64, 8, None, 64, "set extract.servers"),  # a cluster: one per shard
+        (3, 64, 8, 8, 3, "set by extract.servers"),
+    ],
+)  # fmt: skip
+def test_extraction_server_jobs_fit_the_gpus_and_never_exceed_the_shards(configured, shards, per_server, local_gpus, servers, why):
+    count, reason = gpus.concurrent_servers(configured, shards, per_server, local_gpus)
+    assert count == servers and why in reason

@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftflow.extract_transformers import transformers_extractor
-from draftflow.extraction import (
+from draftflow.extract.transformers_backend import transformers_extractor
+from draftflow.extract.shards import (
     ExtractionSettings,
     Sample,
     plan_extraction,
@@ -25,7 +25,8 @@ from draftflow.extraction import (
     shard_manifest,
     shard_samples,
 )
-from draftflow.hidden_states import HEADER_BYTES_MAX
+from draftflow.extract.layout import HEADER_BYTES_MAX
+from draftflow.costs import drafter_parameters
 from draftflow.io import write_json
 from draftflow.layers import resolve_layer_ids
 from draftflow.progress import (
@@ -35,13 +36,11 @@ from draftflow.progress import (
     WILL_NOT_FIT,
     Options,
     check,
-    drafter_parameters,
-    fmt_bytes,
-    parse_size,
     render_table,
     watch,
 )
 from draftflow.target_model import read_target_model
+from draftflow.units import fmt_bytes, parse_size
 from tests.conftest import REPO
 
 LAYERS, HIDDEN = 4, 32
@@ -80,7 +79,7 @@ class Run:
             Sample(i, f"s{i}", torch.randint(0, 300, (n,), generator=generator).tolist())
             for i, n in enumerate(lengths)
         ]
-        plan = plan_extraction(samples, num_shards, LAYER_IDS, HIDDEN, "float32")
+        plan = plan_extraction(samples, num_shards, num_shards, LAYER_IDS, HIDDEN, "float32")
         write_json(run_dir / "hidden_states/plan.json", plan | {"disk": {}})
         return cls(run_dir / "hidden_states", samples, num_shards, target)
 
@@ -135,6 +134,7 @@ def partial(tiny_target, tmp_path_factory):
         snapshots["now"] = check(run.hs_dir)
         snapshots["files"] = [files_on_disk(run.hs_dir / f"shard-{k}") for k in range(3)]
         snapshots["an hour later"] = check(run.hs_dir, now=time.time() + 3600)
+        shutil.copytree(run.hs_dir, snapshots.setdefault("copy", tmp_path_factory.mktemp("running") / "hidden_states"))
 
     half = len(shard_samples(run.samples, 1, 3)) // 2
     run.extract(1, stop_after=half, at_stop=while_running)
@@ -170,6 +170,27 @@ def test_counts_equal_the_files_on_disk_while_running_and_after_the_stop(partial
         )
     assert stopped.samples_done == sum(s.samples_done for s in stopped.shards) < stopped.samples_total == 36
     assert stopped.exit_code == FAILED_SHARD and "failed shard(s): 1" in stopped.problems[0]
+
+
+def one_server_for_all_shards(hs_dir: Path) -> None:
+    plan = json.loads((hs_dir / "plan.json").read_text())
+    write_json(hs_dir / "plan.json", plan | {"servers": 1, "shards": [s | {"server": 0} for s in plan["shards"]]})
+
+
+def test_model_loads_ahead_follow_server_jobs_not_shards(partial, tmp_path):
+    """Shard 2 waits behind shard 1 in the same server job: no load ahead; once that job is killed, one."""
+    run, snapshots = partial
+    assert snapshots["now"].eta.pending_loads == 1  # three server jobs: shard 2's still loads
+    running = snapshots["copy"]  # the files and heartbeats while shard 1 ran (this process: alive)
+    one_server_for_all_shards(running)
+    while_running = check(running)
+    assert [s.state for s in while_running.shards] == ["done", "running", "not started"]
+    assert while_running.eta.pending_loads == 0 and while_running.eta.loading_s == 0.0
+    stopped = tmp_path / "hidden_states"
+    shutil.copytree(run.hs_dir, stopped)  # shard 1's process is gone: its server job must load again
+    one_server_for_all_shards(stopped)
+    assert check(stopped).eta.pending_loads == 1
+    assert check(run.hs_dir).eta.pending_loads == 2  # three server jobs: shard 1's and shard 2's
 
 
 def test_a_silent_running_shard_is_reported_stalled(partial):
@@ -266,10 +287,11 @@ def test_later_stage_estimate_counts_the_demo_drafter(tmp_path):
     target = read_target_model(tmp_path / "target")
     assert drafter_parameters(target, num_aux=3, draft_vocab=128, num_layers=1) == (721_792, 312_192)
     run_dir = tmp_path / "results/demo"
-    write_json(run_dir / "hidden_states/plan.json", plan_extraction([], 1, [2, 4, 5, 8], 128, "float32"))
+    write_json(run_dir / "hidden_states/plan.json", plan_extraction([], 1, 1, [2, 4, 5, 8], 128, "float32"))
     config = tmp_path / "config.yaml"
     config.write_text(
         f"run: demo\ndevice: cpu\ntarget: {{path: {tmp_path / 'target'}}}\nvocab: {{draft_vocab_size: 128}}\n"
+        "data: {prompt_files: [prompts.jsonl]}\n"
     )
     disk = check(run_dir, Options(config=config, free_bytes=10**9)).disk
     assert disk.later_stages_detail["drafter"]["estimated"] == 4 * 721_792  # float32 on the CPU

@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from draftflow.extraction import remove_stale_shards
+from draftflow.extract.shards import remove_stale_shards
 from tests.conftest import REPO, demo_config, snakemake
 
 pytestmark = pytest.mark.slow
 
 FROM_GENERATE = {
-    "generate", "prepare", "vocab_map", "extract_plan", "extract_shard", "extract", "fidelity",
+    "generate", "prepare", "vocab_map", "extract_plan", "extract_server", "extract", "fidelity",
     "drafter_init", "train_views", "train", "evaluate", "serve_check", "report", "provenance",
 }  # fmt: skip
 
@@ -49,7 +49,7 @@ def settled(workdir, demo_run):
         ),
         (
             {"extract": {"layer_ids": [1, 3, 5]}},
-            {"extract_plan", "extract_shard", "extract", "fidelity", "drafter_init", "train_views",
+            {"extract_plan", "extract_server", "extract", "fidelity", "drafter_init", "train_views",
              "train", "evaluate", "serve_check", "report", "provenance"},
         ),  # fmt: skip
         ({"evaluate": {"min_acceptance_length": 1.5}}, {"evaluate", "report", "provenance"}),
@@ -83,7 +83,7 @@ def test_editing_training_code_reruns_training_not_generation(settled):
 
 def test_changing_shard_count_reruns_every_shard(settled):
     planned = planned_rules(settled, demo_config(extract={"shards": 3}))
-    assert {"extract_plan", "extract_shard", "extract"} <= planned and "generate" not in planned
+    assert {"extract_plan", "extract_server", "extract"} <= planned and "generate" not in planned
 
 
 def test_fewer_shards_remove_the_stale_ones(tmp_path):
@@ -92,8 +92,10 @@ def test_fewer_shards_remove_the_stale_ones(tmp_path):
         (tmp_path / f"shard-{k}" / "hs_0.safetensors").write_bytes(b"x")
         (tmp_path / f"shard-{k}.json").write_text("{}")
         (tmp_path / f"shard-{k}.heartbeat.json").write_text("{}")
-    removed = remove_stale_shards(tmp_path, 2)
-    assert sorted(removed) == sorted(f"shard-{k}{s}" for k in (2, 3) for s in ("", ".json", ".heartbeat.json"))
+        (tmp_path / f"server-{k}.json").write_text("{}")
+    removed = remove_stale_shards(tmp_path, 2, 1)
+    stale = [f"shard-{k}{s}" for k in (2, 3) for s in ("", ".json", ".heartbeat.json")]
+    assert sorted(removed) == sorted(stale + ["server-1.json", "server-2.json", "server-3.json"])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        f"shard-{k}{s}" for k in (0, 1) for s in ("", ".json", ".heartbeat.json")
+        [f"shard-{k}{s}" for k in (0, 1) for s in ("", ".json", ".heartbeat.json")] + ["server-0.json"]
     )

@@ -1,6 +1,7 @@
 """Kill the whole workflow during generation and during training, resume, and get
 exactly the drafter that an uninterrupted run of the same config produced."""
 
+import csv
 import json
 import os
 import signal
@@ -12,7 +13,9 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
+from draftflow.config import load_config
 from draftflow.io import iter_jsonl
+from draftflow.plan import build_plan, rates_from_run
 from tests.conftest import REPO, SNAKEMAKE, demo_config, snakemake
 
 pytestmark = pytest.mark.slow
@@ -92,5 +95,19 @@ def test_provenance_records_config_code_and_inputs(repeat_run):
     assert len(provenance["target"]["fingerprint"]) == 64
     assert provenance["packages"]["speculators"] == "0.9.0"
     assert provenance["workflow_commit"]
-    assert set(provenance["stage_inputs"]) >= {"generate", "extract_shard", "train", "evaluate"}
+    assert set(provenance["stage_inputs"]) >= {"generate", "extract_server", "train", "evaluate"}
     assert all(len(digest) == 64 for digest in provenance["stage_inputs"]["train"].values())
+
+
+def test_the_plan_fed_the_demo_runs_rates_foretells_the_repeat_runs_stage_times(workdir, demo_run, repeat_run):
+    """The demo ran first; its rates predict the repeat run (same config) within 30%, stage by stage.
+    generate and train are left out: the repeat run killed and resumed them, so their benchmarks
+    time only the last attempt."""
+    results, _ = repeat_run
+    plan = build_plan(load_config(workdir / "config-repeat.yaml"), results, rates_from_run(demo_run), local_gpus=0)
+    planned = {stage.name: stage.seconds for stage in plan.stages}
+    for stage in ("prepare", "vocab_map", "extract_server", "drafter_init", "evaluate", "serve_check"):
+        benchmark = workdir / "benchmarks/repeat" / f"{stage}{'-0' if stage == 'extract_server' else ''}.tsv"
+        with benchmark.open() as stream:
+            measured = float(next(csv.DictReader(stream, delimiter="\t"))["s"])
+        assert planned[stage] == pytest.approx(measured, rel=0.3), stage

@@ -94,24 +94,24 @@ def test_server_killed_mid_extraction_fails_clearly_and_a_rerun_resumes(tmp_path
     results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic", "prepared")
     extract = {"shards": 1, "concurrency": 1, "max_retries": 1}
     config = demo_config(extract=extract, vllm={"port": free_port("127.0.0.1")})
-    target = "results/demo/hidden_states/shard-0.json"
+    target = "results/demo/hidden_states/server-0.json"
     journal = results / "hidden_states/shard-0/journal.jsonl"
     code, server_pid = kill_server_during(tmp_path, config, target, lambda: lines(journal) > 10)
 
     journaled = [json.loads(line)["index"] for line in journal.read_text().splitlines()[1:]]
     total = json.loads((results / "hidden_states/plan.json").read_text())["samples"]
     on_disk = sorted(p.name for p in (results / "hidden_states/shard-0").glob("hs_*.safetensors"))
-    log = (tmp_path / "logs/demo/extract_shard-0.log").read_text()
+    log = (tmp_path / "logs/demo/extract_server-0.log").read_text()
     assert code != 0
     assert "Retrying in" in log
     assert "died during extraction: sample" in log and "retried with backoff (extract.max_retries=1)" in log
     assert "rerun to resume the shard" in log
-    assert "logs/demo/extract_shard-0.server.log" in log
+    assert "logs/demo/extract_server-0.server.log" in log
     assert on_disk == sorted(f"hs_{index}.safetensors" for index in journaled)
     assert 10 <= len(journaled) < total
     assert group_gone_within(server_pid, 30), "the killed server's engine workers outlived the job"
 
     snakemake(tmp_path, config, target)
-    log = (tmp_path / "logs/demo/extract_shard-0.log").read_text()
+    log = (tmp_path / "logs/demo/extract_server-0.log").read_text()
     assert f"shard 0: {len(journaled)} of {total} samples already on disk" in log
     assert_manifests_match_files(results)

@@ -102,7 +102,7 @@ def test_the_parse_time_check_reads_a_nested_text_model(tmp_path):
     config = example_config("llama-8b-1gpu.yaml", tmp_path, 32)
     kimi = {"model_type": "kimi_k25", "text_config": {"num_hidden_layers": 61, "vocab_size": 163840}}
     (tmp_path / "target/config.json").write_text(json.dumps(kimi))
-    assert "extract_shard" in snakemake(tmp_path, config, "-n").stdout
+    assert "extract_server" in snakemake(tmp_path, config, "-n").stdout
     config["extract"] = {**config["extract"], "layer_ids": [2, 70]}
     refused = snakemake(tmp_path, config, "-n", check=False)
     assert refused.returncode != 0 and "do not fit the target's 61 layers" in refused.stdout + refused.stderr

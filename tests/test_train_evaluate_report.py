@@ -53,11 +53,11 @@ def test_heldout_samples_never_reach_training(demo_run):
 def test_report_covers_every_stage(demo_run):
     with (demo_run / "report/stage_runtimes.tsv").open() as stream:
         stages = {row["stage"]: row for row in csv.DictReader(stream, delimiter="\t")}
-    expected = {"prompts", "generate", "prepare", "vocab_map", "extract_plan", "extract_shard", "extract",
+    expected = {"prompts", "generate", "prepare", "vocab_map", "extract_plan", "extract_server", "extract",
                 "fidelity", "drafter_init", "train_views", "train", "evaluate", "serve_check"}  # fmt: skip
     assert set(stages) == expected
     assert all(float(row["seconds"]) > 0 for row in stages.values())
-    assert stages["extract_shard"]["jobs"] == str(demo_config()["extract"]["shards"])
+    assert stages["extract_server"]["jobs"] == "1"  # both shards, one model load (CPU: one server job)
     report = (demo_run / "report/report.md").read_text()
     assert all(stage in report for stage in expected)
     assert "served by vLLM" in report

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from draftflow.extract_transformers import load_target
+from draftflow.extract.transformers_backend import load_target
 from draftflow.target_model import read_target_model, weight_files
 from tests import twins
 

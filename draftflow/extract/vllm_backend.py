@@ -22,12 +22,12 @@ from safetensors.torch import load_file
 from speculators.data_generation.offline import check_hidden_states
 from speculators.data_generation.vllm_client import generate_hidden_states, wait_for_lock
 
-from draftflow.extraction import Sample
+from draftflow.extract.layout import Sample
 from draftflow.vllm_server import ServerGoneError, log_excerpt, vllm_server
 
 CPU_CONNECTOR = {
     "kv_connector": "CPUHiddenStatesConnector",
-    "kv_connector_module_path": "draftflow.vllm_hidden_states_connector",
+    "kv_connector_module_path": "draftflow.extract.vllm_connector",
 }
 GPU_CONNECTOR = {"kv_connector": "ExampleHiddenStatesConnector"}
 

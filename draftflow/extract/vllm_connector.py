@@ -18,7 +18,7 @@ it defers to the stock asynchronous write.
 Use it from the vLLM command line with::
 
     --kv-transfer-config '{"kv_connector": "CPUHiddenStatesConnector",
-        "kv_connector_module_path": "draftflow.vllm_hidden_states_connector",
+        "kv_connector_module_path": "draftflow.extract.vllm_connector",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": DIR}}'
 

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from draftflow.extraction import Sample
+from draftflow.extract.layout import Sample
 from draftflow.target_model import read_target_model
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

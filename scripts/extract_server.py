@@ -1,15 +1,14 @@
 from functools import partial
 from pathlib import Path
 
-from draftflow.extract_backends import open_extractor
-from draftflow.extraction import ExtractionSettings, load_samples, run_shard, shard_manifest, shard_samples
+from draftflow.extract.backends import open_extractor
+from draftflow.extract.shards import ExtractionSettings, load_samples, run_server
 from draftflow.fingerprint import target_fingerprint
 from draftflow.io import read_json, write_json
 from draftflow.gpus import claim_gpus
 from draftflow.rule_log import logged
 
 params = snakemake.params
-shard = int(snakemake.wildcards.shard)
 with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
     plan = read_json(snakemake.input.plan)
     target = snakemake.input.target
@@ -19,16 +18,14 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
         dtype=plan["dtype"],
         target_fingerprint=target_fingerprint(target),
     )
-    samples = shard_samples(load_samples(Path(snakemake.input.dataset)), shard, plan["num_shards"])
-    records = run_shard(
-        samples,
-        shard,
-        Path(params.output_dir) / f"shard-{shard}",
-        Path(params.output_dir) / f"shard-{shard}.heartbeat.json",
+    manifests = run_server(
+        plan,
+        int(snakemake.wildcards.server),
+        load_samples(Path(snakemake.input.dataset)),
+        Path(params.output_dir),
         settings,
         partial(open_extractor, params.backend, target, plan["layer_ids"], params.backend_options, Path(snakemake.log.server)),
+        target,
         writers=params.write_threads,
     )
-    manifest = shard_manifest(shard, plan["num_shards"], records, settings, plan["hidden_size"], target)
-    write_json(snakemake.output.manifest, manifest)
-    print(f"shard {shard}: {manifest['samples']} samples, {manifest['tokens']} tokens, {manifest['bytes'] / 1e6:.1f} MB")
+    write_json(snakemake.output.manifest, {"server": int(snakemake.wildcards.server), "shards": [m["shard"] for m in manifests]})

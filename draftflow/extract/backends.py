@@ -10,7 +10,7 @@ BACKENDS = ("vllm", "transformers")
 def open_extractor(backend: str, target: str, layer_ids: list[int], options: dict, server_log: Path):
     """A context manager that loads the target and yields an extractor."""
     if backend == "transformers":
-        from draftflow.extract_transformers import transformers_extractor
+        from draftflow.extract.transformers_backend import transformers_extractor
 
         return transformers_extractor(
             target,
@@ -22,7 +22,7 @@ def open_extractor(backend: str, target: str, layer_ids: list[int], options: dic
             compile_layers=options["compile"],
         )
     if backend == "vllm":
-        from draftflow.extract_vllm import vllm_extractor
+        from draftflow.extract.vllm_backend import vllm_extractor
 
         return vllm_extractor(
             target,

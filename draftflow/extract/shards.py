@@ -1,4 +1,9 @@
-"""Stage 5: hidden states per shard, resumable, with a journal, heartbeat and manifest."""
+"""Stage 5: hidden states per shard, resumable, with a journal, heartbeat and manifest.
+
+Shards are the unit of resume and progress; server jobs are the unit of model
+loads: each of ``plan["servers"]`` jobs loads the target once and works
+through its shards (shard ``k`` belongs to server ``k % servers``).
+"""
 
 from __future__ import annotations
 
@@ -10,24 +15,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from datasets import load_from_disk
 
-from draftflow.file_names import file_name
-from draftflow.hidden_states import WrittenFile, expected_bytes, write_sample
+from draftflow.extract import layout
+from draftflow.extract.hidden_states import write_sample
+from draftflow.extract.layout import Sample, WrittenFile
 from draftflow.io import write_json
-
-
-@dataclass(frozen=True)
-class Sample:
-    index: int  # row of the prepared dataset; the file is hs_{index}.safetensors
-    sample_id: str
-    token_ids: list[int]
-
 
 @dataclass(frozen=True)
 class ExtractionSettings:
@@ -73,36 +71,29 @@ class ShardJournal:
     """
 
     def __init__(self, shard_dir: Path, settings: ExtractionSettings):
-        self.path = shard_dir / "journal.jsonl"
+        self.path = layout.journal_path(shard_dir)
         self.shard_dir = shard_dir
         self.settings_key = settings.key()
 
     def completed(self) -> dict[int, WrittenFile]:
-        if not self.path.exists():
+        key, records = layout.read_journal(self.path)
+        if key != self.settings_key:
             return {}
-        lines = self.path.read_text().splitlines()
-        if not lines or json.loads(lines[0]).get("settings_key") != self.settings_key:
-            return {}
-        done = {}
-        for line in lines[1:]:
-            try:
-                record = WrittenFile(**json.loads(line))
-            except (json.JSONDecodeError, TypeError):
-                continue  # a line torn by a kill
-            path = self.shard_dir / file_name(record.index)
-            if path.exists() and path.stat().st_size == record.bytes:
-                done[record.index] = record
-        return done
+        return {
+            index: record
+            for index, record in records.items()
+            if (path := self.shard_dir / layout.file_name(index)).exists() and path.stat().st_size == record.bytes
+        }
 
     def restart(self, kept: dict[int, WrittenFile]) -> None:
         """Rewrite the journal with the settings key and the records still valid."""
-        lines = [json.dumps({"settings_key": self.settings_key})]
-        lines += [json.dumps(asdict(record)) for record in kept.values()]
+        lines = [layout.journal_line({"settings_key": self.settings_key})]
+        lines += [layout.journal_line(record) for record in kept.values()]
         self.path.write_text("\n".join(lines) + "\n")
 
     def append(self, record: WrittenFile) -> None:
         with self.path.open("a") as stream:
-            stream.write(json.dumps(asdict(record)) + "\n")
+            stream.write(layout.journal_line(record) + "\n")
             stream.flush()
             os.fsync(stream.fileno())
 
@@ -110,12 +101,15 @@ class ShardJournal:
 class Heartbeat:
     """A small JSON the progress check reads while the shard runs."""
 
-    def __init__(self, path: Path, shard: int, samples: list[Sample], interval_s: float = 2.0):
+    def __init__(
+        self, path: Path, shard: int, samples: list[Sample], loads_model: bool, interval_s: float = 2.0
+    ):
         self.path = path
         self.interval_s = interval_s
         self.state = {
             "shard": shard,
             "pid": os.getpid(),
+            "loads_model": loads_model,  # False: its server job had loaded it for an earlier shard
             "status": "loading",
             "samples_total": len(samples),
             "tokens_total": sum(len(s.token_ids) for s in samples),
@@ -149,10 +143,9 @@ class Heartbeat:
 
 def remove_leftovers(shard_dir: Path, done: dict[int, WrittenFile]) -> None:
     """Delete temp files and files the journal does not vouch for."""
-    for path in shard_dir.glob(".hs_*.tmp"):
-        path.unlink()
-    for path in shard_dir.glob("hs_*.safetensors"):
-        if int(path.stem.removeprefix("hs_")) not in done:
+    for path in shard_dir.iterdir():
+        index = layout.file_index(path.name)
+        if layout.is_temp_file(path.name) or (index is not None and index not in done):
             path.unlink()
 
 
@@ -164,6 +157,7 @@ def run_shard(
     settings: ExtractionSettings,
     open_extractor: Callable[[], AbstractContextManager[Extractor]],
     writers: int = 8,
+    model_loaded: bool = False,
 ) -> list[WrittenFile]:
     """Extract every sample of a shard that is not already on disk.
 
@@ -180,11 +174,14 @@ def run_shard(
     done = journal.completed()
     remove_leftovers(shard_dir, done)
     journal.restart(done)
-    heartbeat = Heartbeat(heartbeat_path, shard, samples)
+    todo = [s for s in samples if s.index not in done]
+    heartbeat = Heartbeat(heartbeat_path, shard, samples, loads_model=bool(todo) and not model_loaded)
     for record in done.values():
         heartbeat.add(record)
-    todo = [s for s in samples if s.index not in done]
     print(f"shard {shard}: {len(done)} of {len(samples)} samples already on disk")
+    if not todo:
+        heartbeat.set_status("done")
+        return [done[s.index] for s in samples]
 
     def finish(future: Future) -> None:
         record = future.result()  # on disk: written, fsynced, renamed (or the write's error)
@@ -224,6 +221,72 @@ def run_shard(
     return [done[s.index] for s in samples]
 
 
+class SharedExtractor:
+    """One model load for all the shards of a server job: opened by the first
+    shard with work left, closed when the job ends. Called like an
+    ``open_extractor`` factory."""
+
+    def __init__(self, open_extractor: Callable[[], AbstractContextManager[Extractor]]):
+        self._open = open_extractor
+        self._stack = ExitStack()
+        self._extract: Extractor | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._extract is not None
+
+    def __enter__(self) -> SharedExtractor:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stack.close()
+
+    @contextmanager
+    def __call__(self) -> Iterator[Extractor]:
+        if self._extract is None:
+            self._extract = self._stack.enter_context(self._open())
+        yield self._extract
+
+
+def server_shards(plan: dict, server: int) -> list[int]:
+    return [shard["shard"] for shard in plan["shards"] if shard["server"] == server]
+
+
+def run_server(
+    plan: dict,
+    server: int,
+    samples: list[Sample],
+    output_dir: Path,
+    settings: ExtractionSettings,
+    open_extractor: Callable[[], AbstractContextManager[Extractor]],
+    target: str,
+    writers: int = 8,
+) -> list[dict]:
+    """Extract the shards of one server job, one after another, with one model
+    load; returns their manifests, each written as its shard finishes."""
+    shards = server_shards(plan, server)
+    for shard in shards:  # a manifest says "done" to the progress check: none may predate this run
+        layout.shard_manifest_path(output_dir, shard).unlink(missing_ok=True)
+    manifests = []
+    with SharedExtractor(open_extractor) as shared:
+        for shard in shards:
+            records = run_shard(
+                shard_samples(samples, shard, plan["num_shards"]),
+                shard,
+                layout.shard_dir(output_dir, shard),
+                layout.heartbeat_path(output_dir, shard),
+                settings,
+                shared,
+                writers=writers,
+                model_loaded=shared.loaded,
+            )
+            manifest = shard_manifest(shard, plan["num_shards"], records, settings, plan["hidden_size"], target)
+            write_json(layout.shard_manifest_path(output_dir, shard), manifest)
+            manifests.append(manifest)
+            print(f"shard {shard}: {manifest['samples']} samples, {manifest['tokens']} tokens, {manifest['bytes'] / 1e6:.1f} MB")
+    return manifests
+
+
 def shard_manifest(
     shard: int,
     num_shards: int,
@@ -244,20 +307,20 @@ def shard_manifest(
         "samples": len(records),
         "tokens": sum(r.tokens for r in records),
         "bytes": sum(r.bytes for r in records),
-        "files": [{"file": f"shard-{shard}/{file_name(r.index)}", **asdict(r)} for r in records],
+        "files": [{"file": layout.manifest_file_entry(shard, r.index), **asdict(r)} for r in records],
     }
 
 
-def remove_stale_shards(output_dir: Path, num_shards: int) -> list[str]:
-    """Delete shard directories and manifests numbered ``num_shards`` or more.
+def remove_stale_shards(output_dir: Path, num_shards: int, servers: int) -> list[str]:
+    """Delete shard directories, manifests and heartbeats numbered ``num_shards``
+    or more, and server manifests numbered ``servers`` or more.
 
     After ``extract.shards`` changes, samples move to other shards; the old
     numbers' files would otherwise sit beside the new ones unused.
     """
     removed = []
-    for path in sorted(output_dir.glob("shard-*")):
-        number = path.name.removeprefix("shard-").split(".")[0]
-        if number.isdigit() and int(number) >= num_shards:
+    for kind, number, path in layout.numbered_outputs(output_dir):
+        if number >= (num_shards if kind == "shard" else servers):
             if path.is_dir():
                 shutil.rmtree(path)
             else:
@@ -269,21 +332,28 @@ def remove_stale_shards(output_dir: Path, num_shards: int) -> list[str]:
 def plan_extraction(
     samples: list[Sample],
     num_shards: int,
+    servers: int,
     layer_ids: list[int],
     hidden_size: int,
     dtype: str,
 ) -> dict:
-    """Which sample goes to which shard, and the exact bytes each shard writes."""
+    """Which sample goes to which shard and shard to which server job, and the
+    exact bytes each shard writes."""
     shards = [
-        {"shard": k, "samples": [[s.index, len(s.token_ids)] for s in shard_samples(samples, k, num_shards)]}
+        {
+            "shard": k,
+            "server": k % servers,
+            "samples": [[s.index, len(s.token_ids)] for s in shard_samples(samples, k, num_shards)],
+        }
         for k in range(num_shards)
     ]
     for shard in shards:
         shard["bytes"] = sum(
-            expected_bytes(tokens, len(layer_ids), hidden_size, dtype) for _, tokens in shard["samples"]
+            layout.hidden_state_bytes(tokens, len(layer_ids), hidden_size, dtype) for _, tokens in shard["samples"]
         )
     return {
         "num_shards": num_shards,
+        "servers": servers,
         "layer_ids": layer_ids,
         "hidden_size": hidden_size,
         "dtype": dtype,

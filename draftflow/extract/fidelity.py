@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from draftflow.progress import fmt_bytes
+from draftflow.units import fmt_bytes
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,43 @@
+"""A run's config as the workflow sees it, for tools that read one outside Snakemake.
+
+The Snakefile validates the config against ``config/schema.yaml`` and fills in
+its defaults; :func:`load_config` does the same for the progress check and the
+plan, so the schema stays the one place a default is spelled.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+SCHEMA = Path(__file__).resolve().parents[1] / "config/schema.yaml"
+
+
+@functools.cache
+def schema() -> dict:
+    return yaml.safe_load(SCHEMA.read_text())
+
+
+def with_defaults(value: dict, node: dict) -> dict:
+    """``value`` with every missing property that has a default filled in, recursively."""
+    filled = dict(value)
+    for key, child in node.get("properties", {}).items():
+        if key not in filled and "default" in child:
+            filled[key] = child["default"]
+        if isinstance(filled.get(key), dict) and "properties" in child:
+            filled[key] = with_defaults(filled[key], child)
+    return filled
+
+
+def load_config(path: Path) -> dict:
+    """The YAML config at ``path``, checked against the schema, defaults filled in."""
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        jsonschema.validate(config, schema())
+    except jsonschema.ValidationError as error:
+        where = ".".join(map(str, error.absolute_path)) or "the top level"
+        raise ValueError(f"{path}: {where}: {error.message} (see {SCHEMA})") from None
+    return with_defaults(config, schema())

@@ -1,0 +1,414 @@
+"""The plan: what a run will cost, stage by stage, before it starts.
+
+    python -m draftflow.plan --configfile config.yaml [--rates results/<earlier run> | --rates rates.yaml]
+
+Per stage: jobs, GPUs per job, model loads, bytes written, wall time and
+GPU-hours; totals and the disk the run fills against the free space, with
+warnings. Token counts are exact once ``prepare`` ran (its stats), estimated
+before from what ``generate`` measured or from the prompts and
+``generate.max_tokens``. Rates come from an earlier run (its ``benchmarks/``
+and stage outputs), a rates file (the fields of :class:`Rates`) or
+:data:`DEFAULT_RATES`. Standard library and PyYAML only.
+
+Exit codes as the progress check's: 0 fits, 3 will not fit; 1 when a file it
+needs is missing, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import shutil
+import sys
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+import yaml
+
+from draftflow.config import load_config
+from draftflow.costs import hidden_states_bytes, later_stage_bytes, tree_bytes, vocab_map_bytes
+from draftflow.extract import layout
+from draftflow.extract.fidelity import decide, device_memory
+from draftflow.gpus import concurrent_servers, local_gpu_count
+from draftflow.io import write_text
+from draftflow.layers import resolve_layer_ids
+from draftflow.target_model import TargetModel, read_target_model
+from draftflow.target_source import resolve_target
+from draftflow.units import fmt_bytes, fmt_duration, parse_size
+
+FITS, WILL_NOT_FIT = 0, 3
+# Stages whose time the plan takes as measured (small, or not driven by the data's size).
+MEASURED_STAGES = ("prompts", "vocab_map", "extract_plan", "extract", "fidelity", "drafter_init",
+                   "train_views", "evaluate", "serve_check", "report", "provenance")  # fmt: skip
+LOAD_SHARE_WARNING = 0.25
+CHARS_PER_TOKEN = 4  # prompts not yet tokenized: a common rule of thumb for English text
+
+
+@dataclass(frozen=True)
+class Rates:
+    """How fast a run goes; one job each, model loads apart."""
+
+    source: str
+    model_load_s: float  # a server's start until it serves (weights, compile, warm-up)
+    generate_tokens_per_s: float  # response tokens, one generation server
+    prepare_tokens_per_s: float
+    extract_tokens_per_s: float  # one extraction server job
+    train_tokens_per_s: float  # prepared tokens x epochs per second and per GPU (or CPU job) of training
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # MEASURED_STAGES, as measured
+    generated_bytes_per_token: float = 37.0  # synthetic/ per prepared token (demo)
+    prepared_bytes_per_token: float = 13.3  # prepared/ per prepared token (demo)
+    response_tokens: float | None = None  # mean per sample; None: generate.max_tokens (an upper bound)
+    prompt_tokens: float | None = None  # mean per sample; None: from the prompts' characters
+
+
+# Sources: "cpu" is this repository's demo on 2 cores (make test, 2026-11-30);
+# "cuda" takes the 1T reference run of issue 14 (Kimi-K2 class, TP 8: model
+# load 24.5 min, extraction 2.5 samples/s of ~1,450 tokens) and BENCHMARKS.md
+# (H200: training 36,442 tokens/s); generation on a GPU was not measured here:
+# 5,000 response tokens/s per server is an assumption. Rates from your own
+# earlier run (--rates results/<run>) replace all of them.
+DEFAULT_RATES = {
+    "cpu": Rates("defaults: the demo on 2 CPU cores", 20.0, 765.0, 2230.0, 540.0, 3000.0,
+                 {"prompts": 0.1, "vocab_map": 7.6, "extract_plan": 2.3, "extract": 2.0, "fidelity": 32.0,
+                  "drafter_init": 13.4, "train_views": 2.0, "evaluate": 7.6, "serve_check": 25.0,
+                  "report": 0.5, "provenance": 0.1}),
+    "cuda": Rates("defaults: the 1T reference run and BENCHMARKS.md (generation assumed)", 1470.0, 5000.0,
+                  20000.0, 3600.0, 36442.0,
+                  {"prompts": 1.0, "vocab_map": 60.0, "extract_plan": 60.0, "extract": 10.0, "fidelity": 600.0,
+                   "drafter_init": 120.0, "train_views": 60.0, "evaluate": 600.0, "serve_check": 1800.0,
+                   "report": 5.0, "provenance": 1.0}),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    jobs: int
+    gpus_per_job: int
+    model_loads: int
+    bytes_written: int
+    seconds: float  # the stage's wall time
+    gpu_hours: float
+    load_seconds: float  # of ``seconds``, spent loading models
+
+
+@dataclass(frozen=True)
+class Plan:
+    run: str
+    tokens: dict  # samples, tokens, source
+    rates: str
+    stages: list[Stage]
+    total_bytes: int
+    peak_bytes: int
+    free_bytes: int
+    free_source: str
+    total_seconds: float
+    total_gpu_hours: float
+    warnings: list[str]
+    exit_code: int
+
+
+# -- rates ----------------------------------------------------------------------
+
+
+def benchmark_seconds(path: Path) -> float:
+    with path.open() as stream:
+        return float(next(csv.DictReader(stream, delimiter="\t"))["s"])
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def rates_from_run(run_dir: Path) -> Rates:
+    """Rates measured by an earlier run: ``results/<run>`` beside its ``benchmarks/<run>``."""
+    run_dir = Path(run_dir)
+    benchmarks = run_dir.parents[1] / "benchmarks" / run_dir.name
+    seconds = {path.stem: benchmark_seconds(path) for path in benchmarks.glob("*.tsv")}
+    generated, prepared = read_json(run_dir / "synthetic/stats.json"), read_json(run_dir / "prepared/stats.json")
+    extracted = read_json(run_dir / "hidden_states" / layout.SUMMARY)
+    trained = read_json(run_dir / "train/stats.json")
+    loads = [
+        h["model_ready_at"] - h["started_at"]
+        for path in layout.heartbeats(run_dir / "hidden_states")
+        if (h := read_json(path)).get("loads_model") and h.get("model_ready_at")
+    ]
+    load = sum(loads) / len(loads) if loads else seconds["generate"] - generated["wall_seconds"]
+    servers = [s for name, s in seconds.items() if name.startswith("extract_server-")]
+    return Rates(
+        source=f"measured by {run_dir}",
+        model_load_s=load,
+        generate_tokens_per_s=generated["response_tokens"] / max(seconds["generate"] - load, 1e-9),
+        prepare_tokens_per_s=prepared["tokens"] / seconds["prepare"],
+        extract_tokens_per_s=extracted["tokens"] / max(sum(servers) - len(loads or servers) * load, 1e-9),
+        train_tokens_per_s=prepared["tokens"] * trained["epochs"] / seconds["train"] / max(1, trained["gpus"]),
+        stage_seconds={stage: seconds[stage] for stage in MEASURED_STAGES if stage in seconds},
+        generated_bytes_per_token=tree_bytes(run_dir / "synthetic") / prepared["tokens"],
+        prepared_bytes_per_token=tree_bytes(run_dir / "prepared") / prepared["tokens"],
+        response_tokens=generated["mean_response_tokens"],
+        prompt_tokens=generated["mean_prompt_tokens"],
+    )
+
+
+def load_rates(source: Path | None, device: str) -> Rates:
+    if source is None:
+        return DEFAULT_RATES[device]
+    if Path(source).is_dir():
+        return rates_from_run(Path(source))
+    given = yaml.safe_load(Path(source).read_text())
+    known = {f.name for f in fields(Rates)}
+    if unknown := set(given) - known:
+        raise ValueError(f"{source}: unknown rate(s) {sorted(unknown)}; known: {sorted(known - {'source'})}")
+    return replace(DEFAULT_RATES[device], source=f"{source} (defaults for the rest)", **given)
+
+
+# -- work -------------------------------------------------------------------------
+
+
+def prompt_chars(path: Path) -> tuple[int, int]:
+    """(conversations, characters of their messages) of a prompts file."""
+    count = chars = 0
+    with path.open() as stream:
+        for line in stream:
+            if line.strip():
+                count += 1
+                row = json.loads(line)
+                turns = row.get("messages") or row.get("conversations") or []
+                chars += sum(len(str(turn.get("content") or turn.get("value") or "")) for turn in turns)
+    return count, chars
+
+
+def token_counts(config: dict, run_dir: Path, rates: Rates) -> dict:
+    """Samples and tokens: exact after prepare, else the best estimate the run allows."""
+    prepared = run_dir / "prepared/stats.json"
+    if prepared.exists():
+        stats = read_json(prepared)
+        return {"samples": stats["kept"], "tokens": stats["tokens"], "response_tokens": stats["supervised_tokens"],
+                "source": "exact: prepare's token counts"}  # fmt: skip
+    samples = config["data"]["num_samples"]
+    generated = run_dir / "synthetic/stats.json"
+    if generated.exists():
+        stats = read_json(generated)
+        samples, prompt, response = stats["samples"], stats["mean_prompt_tokens"], stats["mean_response_tokens"]
+        source = "estimated: generate's mean tokens"
+    else:
+        prompt = rates.prompt_tokens
+        if prompt is None:
+            sampled = run_dir / "prompts/conversations.jsonl"
+            files = [sampled] if sampled.exists() else [Path(path) for path in config["data"]["prompt_files"]]
+            counts = [prompt_chars(path) for path in files]
+            rows, chars = sum(c for c, _ in counts), sum(c for _, c in counts)
+            prompt = chars / max(rows, 1) / CHARS_PER_TOKEN
+            samples = min(samples, rows) if samples else rows
+        response = rates.response_tokens if rates.response_tokens is not None else config["generate"]["max_tokens"]
+        source = "estimated: prompt lengths and " + (
+            "the earlier run's answers" if rates.response_tokens is not None else "generate.max_tokens (an upper bound)"
+        )
+    per_sample = min(prompt + response, config["prepare"]["max_seq_length"])
+    return {"samples": samples, "tokens": round(samples * per_sample), "response_tokens": round(samples * response),
+            "source": source}  # fmt: skip
+
+
+# -- the plan -----------------------------------------------------------------------
+
+
+def gpus_per_server(config: dict) -> int:
+    if config["device"] != "cuda":
+        return 0
+    return config["vllm"]["tensor_parallel_size"] * config["vllm"]["data_parallel_size"]
+
+
+def plan_stages(config: dict, target: TargetModel, work: dict, rates: Rates, run_dir: Path, local_gpus: int | None, fidelity: bool) -> list[Stage]:
+    server_gpus, samples, tokens = gpus_per_server(config), work["samples"], work["tokens"]
+    shards = config["extract"]["shards"]
+    servers, _ = concurrent_servers(config["extract"]["servers"], shards, server_gpus, local_gpus)
+    at_once = servers if local_gpus is None or server_gpus == 0 else max(1, min(servers, local_gpus // max(server_gpus, 1)))
+    layer_ids = resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
+    hidden_bytes = hidden_states_bytes(samples, tokens, len(layer_ids), target.hidden_size, config["target"]["dtype"])
+    later = later_stage_bytes(config, target, len(layer_ids), round(rates.prepared_bytes_per_token * tokens), peak=False)
+    measured = lambda name: rates.stage_seconds.get(name, 0.0)  # noqa: E731
+    load = rates.model_load_s
+    per_server = load + tokens / servers / rates.extract_tokens_per_s
+    extract_wall = math.ceil(servers / at_once) * per_server
+    train_gpus = config["train"]["gpus"] if config["device"] == "cuda" else 0
+    serve = config["evaluate"]["serve_check"]
+
+    def stage(name, jobs, gpus, loads, written, seconds, gpu_seconds=None, load_seconds=0.0) -> Stage:
+        gpu_seconds = seconds * gpus * jobs if gpu_seconds is None else gpu_seconds
+        return Stage(name, jobs, gpus, loads, int(written), seconds, gpu_seconds / 3600, load_seconds)
+
+    stages = [
+        stage("prompts", 1, 0, 0, existing_or(run_dir / "prompts", 0), measured("prompts")),
+        stage("generate", 1, server_gpus, 1, existing_or(run_dir / "synthetic", rates.generated_bytes_per_token * tokens),
+              load + work["response_tokens"] / rates.generate_tokens_per_s, load_seconds=load),
+        stage("prepare", 1, 0, 0, existing_or(run_dir / "prepared", rates.prepared_bytes_per_token * tokens),
+              tokens / rates.prepare_tokens_per_s),
+        stage("vocab_map", 1, 0, 0, vocab_map_bytes(target.vocab_size, config["vocab"]["draft_vocab_size"]),
+              measured("vocab_map")),
+        stage("extract_plan", 1, 0, 0, 0, measured("extract_plan")),
+        stage("extract_server", servers, server_gpus, servers, hidden_bytes, extract_wall,
+              gpu_seconds=servers * server_gpus * per_server, load_seconds=math.ceil(servers / at_once) * load),
+        stage("extract", 1, 0, 0, 0, measured("extract")),
+        stage("fidelity", 1, server_gpus if fidelity else 0, 2 if fidelity else 0, 0, measured("fidelity") if fidelity else 0.0),
+        stage("drafter_init", 1, 0, 0, later["untrained drafter"], measured("drafter_init")),
+        stage("train_views", 1, 0, 0, later["training views"], measured("train_views")),
+        stage("train", 1, train_gpus, 0, later["drafter"] + later["training checkpoints"],
+              tokens * config["train"]["epochs"] / rates.train_tokens_per_s / max(1, train_gpus)),
+        stage("evaluate", 1, 0, 0, later["evaluation and report"], measured("evaluate")),
+    ]  # fmt: skip
+    if serve:
+        stages.append(stage("serve_check", 1, server_gpus, 1, 0, measured("serve_check")))
+    return stages + [stage("report", 1, 0, 0, 0, measured("report")), stage("provenance", 1, 0, 0, 0, measured("provenance"))]
+
+
+def existing_or(path: Path, estimate: float) -> float:
+    """What an output already holds (measured), else the estimate."""
+    return tree_bytes(path) if path.exists() else estimate
+
+
+def build_plan(config: dict, run_dir: Path, rates: Rates, free_bytes: int | None = None, local_gpus: int | None = None) -> Plan:
+    """The plan of ``config``'s run, whose outputs go to ``run_dir`` (``<working directory>/results/<run>``)."""
+    in_workdir = run_dir.parents[1] / config["target"]["path"]  # results/<run> sits in the working directory
+    target = read_target_model(in_workdir if in_workdir.is_dir() else resolve_target(config["target"]["path"]).folder)
+    fidelity = decide(config["extract"]["fidelity"], target.weight_bytes,
+                      *device_memory(config["device"], config["extract"]["fidelity_device_memory_gb"])).check  # fmt: skip
+    work = token_counts(config, run_dir, rates)
+    stages = plan_stages(config, target, work, rates, run_dir, local_gpus, fidelity)
+    total = sum(s.bytes_written for s in stages)
+    layer_ids = resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
+    checkpoint = lambda peak: later_stage_bytes(config, target, len(layer_ids), 0, peak=peak)["training checkpoints"]  # noqa: E731
+    peak = total + checkpoint(True) - checkpoint(False)
+    disk = run_dir if run_dir.exists() else Path.cwd()
+    free = shutil.disk_usage(disk).free if free_bytes is None else free_bytes
+    warnings = plan_warnings(config, work, stages, peak, free, local_gpus)
+    return Plan(
+        run=config["run"],
+        tokens=work,
+        rates=rates.source,
+        stages=stages,
+        total_bytes=total,
+        peak_bytes=peak,
+        free_bytes=free,
+        free_source="measured" if free_bytes is None else "--free-bytes",
+        total_seconds=sum(s.seconds for s in stages),
+        total_gpu_hours=sum(s.gpu_hours for s in stages),
+        warnings=warnings,
+        exit_code=WILL_NOT_FIT if peak > free else FITS,
+    )
+
+
+def plan_warnings(config: dict, work: dict, stages: list[Stage], peak: int, free: int, local_gpus: int | None) -> list[str]:
+    warnings = []
+    if peak > free:
+        warnings.append(
+            f"will not fit: the run writes up to {fmt_bytes(peak)}, {fmt_bytes(free)} are free "
+            f"({fmt_bytes(peak - free)} short); free space, use a larger disk, or lower data.num_samples "
+            "or prepare.max_seq_length"
+        )
+    for stage in stages:
+        if stage.model_loads and stage.seconds and stage.load_seconds > LOAD_SHARE_WARNING * stage.seconds:
+            warnings.append(
+                f"{stage.name}: model loads take {fmt_duration(stage.load_seconds)} of its {fmt_duration(stage.seconds)}"
+                + (" (fewer extract.servers load fewer times)" if stage.name == "extract_server" and stage.jobs > 1 else "")
+            )
+    shards, servers = config["extract"]["shards"], config["extract"]["servers"]
+    if shards > work["samples"]:
+        warnings.append(f"extract.shards ({shards}) is more than the samples ({work['samples']}): some shards stay empty")
+    if servers is not None and servers > shards:
+        warnings.append(f"extract.servers ({servers}) is more than extract.shards ({shards}): only {shards} server jobs run")
+    node = local_gpus if local_gpus else None
+    for stage in stages:
+        if node is not None and stage.gpus_per_job > node:
+            warnings.append(f"{stage.name}: {stage.gpus_per_job} GPUs per job, but a node here has {node}")
+    return warnings
+
+
+def write_plan(config: dict, target: Path, run_dir: Path, local_gpus: int | None) -> Plan | None:
+    """Write ``run_dir``/plan.md and plan.json as a run starts; stop the run when
+    the disk will not hold it (unless ``plan.stop_if_short`` is false). None,
+    said on stderr, while the ``target`` folder does not exist yet (the demo
+    builds its own) or the plan cannot be made (a stand-in target's config)."""
+    if not (target / "config.json").exists():
+        print("plan: written once the target exists (the next run)", file=sys.stderr)
+        return None
+    try:
+        plan = build_plan(config, run_dir, load_rates(config["plan"]["rates"], config["device"]), local_gpus=local_gpus)
+    except (OSError, ValueError, KeyError) as error:  # an estimate never stops a run
+        print(f"plan: not written ({type(error).__name__}: {error})", file=sys.stderr)
+        return None
+    markdown = run_dir / "plan.md"
+    write_text(markdown, render_markdown(plan))
+    write_text(run_dir / "plan.json", render_json(plan))
+    print(f"plan: {markdown} ({len(plan.warnings)} warning(s))", file=sys.stderr)
+    if plan.exit_code == WILL_NOT_FIT and config["plan"]["stop_if_short"]:
+        raise SystemExit(
+            f"The plan says this run will not fit: it writes up to {fmt_bytes(plan.peak_bytes)}, "
+            f"{fmt_bytes(plan.free_bytes)} are free. No job was started. Free space, use a larger disk, lower "
+            "data.num_samples or prepare.max_seq_length, or set plan.stop_if_short: false to warn only. "
+            f"The whole plan: {markdown}."
+        )
+    return plan
+
+
+def render_markdown(plan: Plan) -> str:
+    rows = [
+        f"| {s.name} | {s.jobs} | {s.gpus_per_job} | {s.model_loads} | {fmt_bytes(s.bytes_written)} | "
+        f"{fmt_duration(s.seconds)} | {s.gpu_hours:,.2f} |"
+        for s in plan.stages
+    ]
+    lines = [
+        f"# Plan of run `{plan.run}`",
+        "",
+        f"{plan.tokens['samples']:,} samples, {plan.tokens['tokens']:,} tokens ({plan.tokens['source']}); "
+        f"rates: {plan.rates}.",
+        "",
+        "| stage | jobs | GPUs per job | model loads | bytes written | wall time | GPU-hours |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+        f"| **total** | {sum(s.jobs for s in plan.stages)} | | {sum(s.model_loads for s in plan.stages)} | "
+        f"{fmt_bytes(plan.total_bytes)} | {fmt_duration(plan.total_seconds)} | {plan.total_gpu_hours:,.2f} |",
+        "",
+        f"Disk: up to {fmt_bytes(plan.peak_bytes)} at the peak (training replaces its checkpoint), "
+        f"{fmt_bytes(plan.free_bytes)} free ({plan.free_source}): "
+        + ("fits." if plan.exit_code == FITS else "**will not fit**."),
+        "",
+        "Wall times add up stage by stage; stages that run side by side finish sooner.",
+    ]
+    if plan.warnings:
+        lines += ["", "## Warnings", "", *(f"- {warning}" for warning in plan.warnings)]
+    return "\n".join(lines) + "\n"
+
+
+def render_json(plan: Plan) -> str:
+    return json.dumps(asdict(plan), indent=2) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m draftflow.plan",
+        description="What a run will cost per stage (jobs, GPUs, model loads, bytes, time, GPU-hours) before it starts.",
+        epilog="exit codes: 0 fits; 3 will not fit; 1 a file it needs is missing; 2 bad arguments.",
+    )
+    parser.add_argument("--configfile", type=Path, required=True, help="the run's config")
+    parser.add_argument("--directory", type=Path, default=Path.cwd(), help="the workflow's working directory (default: here)")
+    parser.add_argument("--rates", type=Path, help="an earlier run's results/<run>, or a rates YAML (fields of draftflow.plan.Rates)")
+    parser.add_argument("--free-bytes", type=parse_size, help="free space to plan against (default: measured)")
+    parser.add_argument("--gpus", type=int, help="GPUs of one node (default: this machine's; pass the nodes' count on a login node)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.configfile)
+        rates = load_rates(args.rates, config["device"])
+        gpus = local_gpu_count() if args.gpus is None else args.gpus
+        plan = build_plan(config, args.directory / "results" / config["run"], rates, args.free_bytes, gpus)
+    except (FileNotFoundError, ValueError, KeyError) as error:
+        print(f"plan: {error}", file=sys.stderr)
+        return 1
+    print(render_json(plan) if args.json else render_markdown(plan), end="")
+    return plan.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

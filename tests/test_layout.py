@@ -1,0 +1,78 @@
+"""The extraction wing: its layout module alone spells the stage's file names; no import circle."""
+
+import ast
+import re
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+# The stage's file names (draftflow/extract/layout.py) as code would spell them.
+LAYOUT_NAME = re.compile(r"(?<![\w])(shard-|server-|hs_)|journal\.jsonl|\.heartbeat\.json")
+WING = REPO / "draftflow/extract"
+
+
+def code_strings(path):
+    """String constants of a module, docstrings left out (they may describe the layout)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }  # fmt: skip
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+def test_the_layout_module_is_the_only_place_the_layout_names_live():
+    modules = [*REPO.glob("draftflow/**/*.py"), *REPO.glob("scripts/*.py")]
+    offenders = [
+        f"{path.relative_to(REPO)}: {text!r}"
+        for path in modules
+        if path != WING / "layout.py"
+        for text in code_strings(path)
+        if LAYOUT_NAME.search(text)
+    ]
+    rules = [REPO / "Snakefile", *REPO.glob("rules/*.smk")]
+    offenders += [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for path in rules
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if LAYOUT_NAME.search(line)
+    ]
+    assert offenders == []
+    assert any(LAYOUT_NAME.search(text) for text in code_strings(WING / "layout.py"))  # the pattern finds them
+
+
+def wing_imports(path):
+    """The wing's modules that ``path`` imports."""
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        imported |= {name.split(".")[2] for name in names if name.startswith("draftflow.extract.")}
+    return imported & {p.stem for p in WING.glob("*.py")}
+
+
+def test_the_extraction_wing_has_no_import_circle():
+    graph = {path.stem: wing_imports(path) - {path.stem} for path in WING.glob("*.py")}
+    assert graph["layout"] == set()  # everything may read the layout; it reads nothing of the wing
+
+    def reaches(start, goal, seen=()):
+        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, (*seen, nxt))) for nxt in graph[start])
+
+    assert [module for module in graph if reaches(module, module)] == []
+
+
+def test_the_layout_the_progress_check_and_the_plan_import_without_torch():
+    code = "import sys, draftflow.extract.layout, draftflow.progress, draftflow.plan; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert result.stdout.strip() == "False"
