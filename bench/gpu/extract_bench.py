@@ -10,7 +10,7 @@ One run measures, in this order, on the machine it runs on:
 3. ``write``: ``write_sample`` alone on host tensors, 1 thread and --writers;
 4. ``baseline``: the simplest loop (batch of one, ``output_hidden_states=True``,
    logits computed, ``.cpu()``, ``safetensors.save_file`` per sample);
-5. ``backend_eager``: ``draftflow.extraction.run_shard`` with the extractor
+5. ``backend_eager``: ``draftflow.extract.shards.run_shard`` with the extractor
    (the workflow's path: files written on --writers threads, each serialized,
    hashed, fsynced, renamed and journaled), decoder layers not compiled;
 6. the decoder layers compiled (``extract.compile: true``; the compile time is
@@ -54,9 +54,10 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-from draftflow.extract_transformers import TransformersExtractor, compile_decoder_layers  # noqa: E402
-from draftflow.extraction import ExtractionSettings, Sample, run_shard  # noqa: E402
-from draftflow.hidden_states import write_sample  # noqa: E402
+from draftflow.extract.transformers_backend import TransformersExtractor, compile_decoder_layers  # noqa: E402
+from draftflow.extract.layout import Sample  # noqa: E402
+from draftflow.extract.shards import ExtractionSettings, run_shard  # noqa: E402
+from draftflow.extract.hidden_states import write_sample  # noqa: E402
 from draftflow.layers import resolve_layer_ids  # noqa: E402
 
 SHAPES = {
@@ -234,7 +235,7 @@ def profile_batch(model, samples, layer_ids, args, device, decoder_params: int, 
     """GPU time of one token-budget batch by kernel kind (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from draftflow.extract_transformers import batches_by_token_budget
+    from draftflow.extract.transformers_backend import batches_by_token_budget
 
     batches = list(batches_by_token_budget(samples, args.token_budget))
     batch = batches[len(batches) // 2]
@@ -291,7 +292,10 @@ def run_baseline(model, samples, layer_ids, device, directory: Path) -> dict:
     return result_of("baseline", sum(len(s.token_ids) for s in samples), written, seconds)
 
 
-def run_backend(name, model, samples, layer_ids, args, device, directory: Path, token_budget: int | None = None) -> dict:
+def run_backend(name, model, samples, layer_ids, args, device, directory: Path, token_budget: int | None = None,
+                shard: int = 0, marks: dict | None = None) -> dict:
+    """``run_shard`` over ``samples`` into ``directory/shard-{shard}``, then ``os.sync()``;
+    ``marks["written"]``: wall-clock time when run_shard returned (every file fsynced), before the sync."""
     token_budget = token_budget or args.token_budget
     holder: dict = {}
     settings = ExtractionSettings("transformers", tuple(layer_ids), "bfloat16" if args.dtype == "bfloat16" else args.dtype, "bench")
@@ -299,9 +303,11 @@ def run_backend(name, model, samples, layer_ids, args, device, directory: Path, 
     sync_device(device)
     started = time.perf_counter()
     records = run_shard(
-        samples, 0, directory / "shard-0", directory / "shard-0.heartbeat.json", settings,
+        samples, shard, directory / f"shard-{shard}", directory / f"shard-{shard}.heartbeat.json", settings,
         lambda: extractor_of(model, layer_ids, token_budget, device, args.in_flight, holder), writers=args.writers,
     )  # fmt: skip
+    if marks is not None:
+        marks["written"] = time.time()
     os.sync()
     seconds = time.perf_counter() - started
     tokens, written = sum(r.tokens for r in records), sum(r.bytes for r in records)

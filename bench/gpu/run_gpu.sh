@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU measurement of BENCHMARKS.md in one command, from the repo root of
-# a machine with one NVIDIA GPU:
+# a machine with one NVIDIA GPU (two for `multi`):
 #
 #   bash bench/gpu/run_gpu.sh extract            # extraction (about 3 minutes on an H200, plus the install)
 #   bash bench/gpu/run_gpu.sh train              # training (about 4 minutes)
 #   bash bench/gpu/run_gpu.sh workflow           # the demo workflow on the GPU (about 6 minutes; bench/gpu/workflow_gpu.sh)
+#   bash bench/gpu/run_gpu.sh multi              # two GPUs against one: extraction and training (about 9.5 minutes on 2 H200s:
+#                                                #   DEADLINE=585; multi-extract and multi-train run one half; bench/gpu/multi_bench.py)
 #   bash bench/gpu/run_gpu.sh                    # extract + train
 # Give each call at most what fits the lease's 10-minute command limit (DEADLINE, seconds).
 #
@@ -72,6 +74,22 @@ for part in "${parts[@]}"; do
         ;;
     workflow)
         timeout "$(left ${WORKFLOW_TIMEOUT:-480})" bash bench/gpu/workflow_gpu.sh "$OUT" || status=1
+        ;;
+    multi | multi-extract | multi-train)
+        # several GPUs: NVLink multicast stays off (it can take a shared host's GPUs out of service)
+        export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+        nvidia-smi topo -m 2>&1 | tee -a "$OUT/env.txt"
+        if [ "$part" != multi-train ]; then
+            # the 1-GPU run's files stay in .bench-scratch/multi/hs for the training half
+            timeout "$(left ${MULTI_EXTRACT_TIMEOUT:-220})" python3 bench/gpu/multi_bench.py extract --shape 8b --out "$OUT" \
+                --keep .bench-scratch/multi/hs --tmpfs /dev/shm/draftflow-multi 2>&1 | tee "$OUT/multi-extract.log" || status=1
+            rm -rf /dev/shm/draftflow-multi
+        fi
+        if [ "$part" != multi-extract ]; then
+            # without the extraction's files (multi-train alone) it trains on random ones
+            timeout "$(left ${MULTI_TRAIN_TIMEOUT:-420})" python3 bench/gpu/multi_bench.py train --shape 8b --out "$OUT" \
+                --hs-dir .bench-scratch/multi/hs 2>&1 | tee "$OUT/multi-train.log" || status=1
+        fi
         ;;
     *)
         echo "unknown part $part" && status=1

@@ -83,7 +83,7 @@ def synthetic_hidden_states(directory: Path, count: int, mean_tokens: int, shape
     """Random hidden-state files in the workflow's format, when no extraction output is given."""
     from extract_bench import make_samples
 
-    from draftflow.hidden_states import write_sample
+    from draftflow.extract.hidden_states import write_sample
 
     from concurrent.futures import ThreadPoolExecutor
 
@@ -139,6 +139,31 @@ def init_drafter(verifier: Path, aux_layer_ids: list[int], vocab_dir: Path, atte
     started = time.perf_counter()
     subprocess.run(command, check=True)
     return time.perf_counter() - started
+
+
+def prepare(shape: dict, layer_ids: list[int], work: Path, hs_dir: Path | None, rows: list[dict] | None,
+            attention: str, device: str, synthetic_samples: int = 128) -> dict:
+    """Verifier folder, hidden states (``hs_dir`` + ``rows``, else random ones), view, vocab map, untrained drafter."""
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    verifier = work / "verifier"
+    make_verifier(shape, verifier, device)
+    if hs_dir is None:
+        hs_dir = work / "hidden_states"
+        rows = synthetic_hidden_states(hs_dir, synthetic_samples, 2000 if shape["hidden_size"] >= 4096 else 300, shape, layer_ids)
+    view = work / "view"
+    data = build_view(hs_dir, rows, view)
+    frequencies: dict[int, int] = {}
+    for row in rows:
+        with safe_open(str(hs_dir / f"hs_{row['index']}.safetensors"), "pt") as f:
+            for token in f.get_tensor("token_ids").tolist():
+                frequencies[token] = frequencies.get(token, 0) + 1
+    d2t, t2d = build_vocab_mappings_from_distribution(frequencies, shape["draft_vocab_size"], shape["vocab_size"])
+    np.save(work / "d2t.npy", d2t.numpy())
+    np.save(work / "t2d.npy", t2d.numpy())
+    init_dir = work / "drafter_untrained"
+    init_seconds = init_drafter(verifier, layer_ids[:-1], work, attention, init_dir)
+    return {"verifier": verifier, "view": view, "init_dir": init_dir, "data": data, "init_seconds": init_seconds}
 
 
 class StepClock(logging.Handler):
@@ -298,29 +323,13 @@ def main() -> None:
     save = lambda: (args.out / "train.json").write_text(json.dumps(report, indent=2))  # noqa: E731
 
     started = time.perf_counter()
-    verifier = args.work / "verifier"
-    make_verifier(shape, verifier, args.device)
+    rows = None
     if args.hs_dir:
         hs_dir = args.hs_dir
         rows = json.loads((hs_dir.parent.parent / "samples.json").read_text()) if not (hs_dir / "samples.json").exists() else json.loads((hs_dir / "samples.json").read_text())
-    else:
-        hs_dir = args.work / "hidden_states"
-        rows = synthetic_hidden_states(hs_dir, 128, 2000 if args.shape == "8b" else 300, shape, layer_ids)
-    view = args.work / "view"
-    report["data"] = build_view(hs_dir, rows, view)
-
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-
-    frequencies: dict[int, int] = {}
-    for row in rows:
-        with safe_open(str(hs_dir / f"hs_{row['index']}.safetensors"), "pt") as f:
-            for token in f.get_tensor("token_ids").tolist():
-                frequencies[token] = frequencies.get(token, 0) + 1
-    d2t, t2d = build_vocab_mappings_from_distribution(frequencies, shape["draft_vocab_size"], shape["vocab_size"])
-    np.save(args.work / "d2t.npy", d2t.numpy())
-    np.save(args.work / "t2d.npy", t2d.numpy())
-    init_dir = args.work / "drafter_untrained"
-    report["init_seconds"] = init_drafter(verifier, layer_ids[:-1], args.work, args.attention, init_dir)
+    prepared = prepare(shape, layer_ids, args.work, args.hs_dir, rows, args.attention, args.device)
+    verifier, view, init_dir = prepared["verifier"], prepared["view"], prepared["init_dir"]
+    report["data"], report["init_seconds"] = prepared["data"], prepared["init_seconds"]
     report["setup_seconds"] = time.perf_counter() - started
     log(f"setup: {report['data']}, {report['setup_seconds']:.0f} s")
     save()
