@@ -122,6 +122,26 @@ def evaluate(drafter, head: TargetHead, view_dir: Path, samples: list[tuple[int,
     return summarize(torch.cat(all_lengths), steps)
 
 
+def gate(results: dict, min_acceptance_length: float) -> dict:
+    """The evaluation gate: does the trained drafter reach ``evaluate.min_acceptance_length``?"""
+    trained = results["trained"]["mean_acceptance_length"]
+    return {"min_acceptance_length": min_acceptance_length, "passed": trained >= min_acceptance_length}
+
+
+def gate_failure(results: dict) -> str | None:
+    """The message that fails the run when ``results["gate"]`` did not pass."""
+    if results["gate"]["passed"]:
+        return None
+    trained, untrained = results["trained"], results["untrained"]
+    return (
+        f"Evaluation gate failed: mean acceptance length {trained['mean_acceptance_length']:.3f} < "
+        f"evaluate.min_acceptance_length {results['gate']['min_acceptance_length']} "
+        f"(untrained floor {untrained['mean_acceptance_length']:.3f}; per position "
+        f"{[round(a, 3) for a in trained['acceptance_per_position']]}). "
+        "Train longer or on more samples, or check the extraction's fidelity report."
+    )
+
+
 def plot_acceptance(results: dict, output: Path) -> None:
     plt = pyplot()
     positions = range(1, results["draft_tokens"] + 1)

@@ -3,7 +3,7 @@ from pathlib import Path
 import torch._dynamo
 from datasets import load_from_disk
 
-from draftflow.evaluate import TargetHead, check_layer_ids, evaluate, plot_acceptance
+from draftflow.evaluate import TargetHead, check_layer_ids, evaluate, gate, gate_failure, plot_acceptance
 from draftflow.io import read_json, write_json
 from draftflow.rule_log import logged
 from draftflow.train import load_drafter
@@ -29,15 +29,8 @@ with logged(snakemake.log[0]):
         drafter = load_drafter(Path(drafter_dir), params.attention)
         results[name] = evaluate(drafter, head, heldout, samples, params.draft_tokens)
         print(name, results[name])
-    trained = results["trained"]["mean_acceptance_length"]
-    results["gate"] = {"min_acceptance_length": params.min_acceptance_length, "passed": trained >= params.min_acceptance_length}
+    results["gate"] = gate(results, params.min_acceptance_length)
     write_json(snakemake.output.evaluation, results)
     plot_acceptance(results, Path(snakemake.output.plot))
-    if not results["gate"]["passed"]:
-        raise SystemExit(
-            f"Evaluation gate failed: mean acceptance length {trained:.3f} < "
-            f"evaluate.min_acceptance_length {params.min_acceptance_length} "
-            f"(untrained floor {results['untrained']['mean_acceptance_length']:.3f}; per position "
-            f"{[round(a, 3) for a in results['trained']['acceptance_per_position']]}). "
-            "Train longer or on more samples, or check the extraction's fidelity report."
-        )
+    if failure := gate_failure(results):
+        raise SystemExit(failure)

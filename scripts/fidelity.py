@@ -2,7 +2,7 @@ from pathlib import Path
 
 from draftflow.extract.backends import open_extractor
 from draftflow.extract.shards import load_samples
-from draftflow.extract.fidelity import compare, decide, device_memory, not_checked
+from draftflow.extract.fidelity import compare, decide, device_memory, fidelity_failure, not_checked
 from draftflow.io import read_json, write_json
 from draftflow.gpus import claim_gpus
 from draftflow.rule_log import logged
@@ -28,9 +28,5 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
     result = {**check_fidelity(snakemake.input.target), "reason": decision.reason} if decision.check else not_checked(decision)
     write_json(snakemake.output.report, result)
     print(result)
-    if result["passed"] is False:
-        raise SystemExit(
-            f"vLLM and transformers hidden states differ beyond {params.tolerance} "
-            f"(relative, per layer id): {result['max_relative_error_per_layer']}. "
-            "Check extract.layer_ids and the target's dtype before training on them."
-        )
+    if failure := fidelity_failure(result):
+        raise SystemExit(failure)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,4 +55,13 @@ def workdir(tmp_path_factory) -> Path:
 def demo_run(workdir) -> Path:
     """The default demo, run for real; returns its results directory."""
     snakemake(workdir, demo_config())
+    return workdir / "results/demo"
+
+
+def copy_demo_run(demo_run, workdir, *stages):
+    """The demo target and these stages' outputs in ``workdir``, with their mtimes:
+    Snakemake there takes them as done and runs only the stages after them."""
+    shutil.copytree(demo_run.parents[1] / "resources", workdir / "resources")
+    for stage in stages:
+        shutil.copytree(demo_run / stage, workdir / "results/demo" / stage)
     return workdir / "results/demo"

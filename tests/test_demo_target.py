@@ -65,6 +65,9 @@ def test_model_shape_and_generation(built: tuple[Path, dict]) -> None:
     assert (output_dir / "generation_config.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(output_dir)
     assert summary["parameters"] == sum(p.numel() for p in model.parameters())
+    # README's "2.5M", from the shape alone: embedding and untied lm_head (3,072 x 128 each), 8 layers
+    # of q, k, v, o (128 x 128 each), gate, up, down (128 x 384 each) and two norms, the final norm
+    assert summary["parameters"] == 2 * 3072 * 128 + 8 * (4 * 128 * 128 + 3 * 128 * 384 + 2 * 128) + 128 == 2_492_544
 
 
 def test_demo_prompts_mix_formats_with_duplicates(tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 import json
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -21,7 +20,7 @@ from draftflow.prompts import BadPromptRow, select_prompts
 from draftflow.training_data import check_file
 from draftflow.io import iter_jsonl
 from draftflow.vllm_server import ServerStartError, target_server_args, vllm_server
-from tests.conftest import demo_config, snakemake
+from tests.conftest import copy_demo_run, demo_config, snakemake
 from tests.test_example_configs import example_config
 from tests.test_extraction import LAYERS, make_samples, tiny_target  # noqa: F401 - fixture
 
@@ -173,15 +172,6 @@ def test_external_endpoint_key_comes_from_the_environment_and_stays_out_of_logs(
     assert stats["samples"] == 12 and stats["errors"] == 0
     written = [p for p in (workdir / "logs/external").iterdir()] + list((workdir / "results/external").rglob("*.json*"))
     assert not [p for p in written if key in p.read_text(errors="replace")]
-
-
-def copy_demo_run(demo_run, workdir, *stages):
-    """The demo target and these stages' outputs in ``workdir``, with their mtimes:
-    Snakemake there takes them as done and runs only the stages after them."""
-    shutil.copytree(demo_run.parents[1] / "resources", workdir / "resources")
-    for stage in stages:
-        shutil.copytree(demo_run / stage, workdir / "results/demo" / stage)
-    return workdir / "results/demo"
 
 
 def test_chat_template_without_assistant_span_stops_prepare_naming_it(tmp_path, demo_run):

@@ -1,12 +1,13 @@
 """Partial rebuilds: an edit reruns exactly the stages that depend on it (README table)."""
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
 from draftflow.extract.shards import remove_stale_shards
-from tests.conftest import REPO, demo_config, snakemake
+from tests.conftest import REPO, copy_demo_run, demo_config, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -16,13 +17,18 @@ FROM_GENERATE = {
 }  # fmt: skip
 
 
-def planned_rules(workdir: Path, config: dict) -> set[str]:
-    """Rules in the `Job stats` table of `snakemake -n` (the `all` target left out)."""
+def planned_jobs(workdir: Path, config: dict) -> dict[str, int]:
+    """Rule -> jobs, from the `Job stats` table of `snakemake -n` (the `all` target left out)."""
     output = snakemake(workdir, config, "-n").stdout
     if "Nothing to be done" in output:
-        return set()
+        return {}
     table = output.split("Job stats:", 1)[1].split("\n\n", 1)[0]
-    return {name for name, _ in re.findall(r"^(\w+)\s+(\d+)$", table, flags=re.MULTILINE)} - {"all", "total"}
+    jobs = {name: int(count) for name, count in re.findall(r"^(\w+)\s+(\d+)$", table, flags=re.MULTILINE)}
+    return {name: count for name, count in jobs.items() if name not in ("all", "total")}
+
+
+def planned_rules(workdir: Path, config: dict) -> set[str]:
+    return set(planned_jobs(workdir, config))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +66,10 @@ def settled(workdir, demo_run):
          "extract.layer_ids", "evaluate.min_acceptance_length", "extract.fidelity", "generate.temperature"],  # fmt: skip
 )
 def test_config_edit_reruns_exactly_its_stages(settled, overrides, expected):
-    assert planned_rules(settled, demo_config(**overrides)) == expected
+    jobs = planned_jobs(settled, demo_config(**overrides))
+    assert set(jobs) == expected
+    if "extract_server" in jobs:  # "(all)": every server job, each redoing all of its shards
+        assert jobs["extract_server"] == json.loads((settled / "results/demo/hidden_states/plan.json").read_text())["servers"]
 
 
 def test_new_prompt_file_reruns_everything(settled):
@@ -82,8 +91,16 @@ def test_editing_training_code_reruns_training_not_generation(settled):
 
 
 def test_changing_shard_count_reruns_every_shard(settled):
-    planned = planned_rules(settled, demo_config(extract={"shards": 3}))
-    assert {"extract_plan", "extract_server", "extract"} <= planned and "generate" not in planned
+    jobs = planned_jobs(settled, demo_config(extract={"shards": 3}))
+    assert {"extract_plan": 1, "extract_server": 1, "extract": 1}.items() <= jobs.items() and "generate" not in jobs
+
+
+def test_extract_plan_removes_the_shards_beyond_a_lower_count_and_names_them(tmp_path, demo_run):
+    results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic", "prepared", "hidden_states")
+    snakemake(tmp_path, demo_config(extract={"shards": 1}), "results/demo/hidden_states/plan.json", "--forcerun", "extract_plan")
+    log = (tmp_path / "logs/demo/extract_plan.log").read_text()
+    assert "1 shards on 1 server jobs now: removed stale ['shard-1', 'shard-1.heartbeat.json', 'shard-1.json']" in log
+    assert not (results / "hidden_states/shard-1").exists() and (results / "hidden_states/shard-0").is_dir()
 
 
 def test_fewer_shards_remove_the_stale_ones(tmp_path):

@@ -14,9 +14,8 @@ import yaml
 
 from draftflow.io import iter_jsonl
 from draftflow.vllm_server import free_port
-from tests.conftest import REPO, SNAKEMAKE, demo_config, snakemake
+from tests.conftest import REPO, SNAKEMAKE, copy_demo_run, demo_config, snakemake
 from tests.test_extract_stage import assert_manifests_match_files
-from tests.test_faults import copy_demo_run
 
 pytestmark = pytest.mark.slow
 
@@ -115,3 +114,23 @@ def test_server_killed_mid_extraction_fails_clearly_and_a_rerun_resumes(tmp_path
     log = (tmp_path / "logs/demo/extract_server-0.log").read_text()
     assert f"shard 0: {len(journaled)} of {total} samples already on disk" in log
     assert_manifests_match_files(results)
+
+
+@pytest.mark.parametrize(
+    ("vllm", "message"),
+    [
+        ({"health_timeout_s": 1}, "raise vllm.health_timeout_s"),  # the server is still loading after 1 s
+        ({"extra_args": ["--no-such-flag"]}, "before it was ready"),  # the engine exits at start
+    ],
+    ids=["start timeout", "exits at start"],
+)
+def test_a_server_that_never_serves_fails_the_generate_rule_and_leaves_no_process(tmp_path, demo_run, vllm, message):
+    results = copy_demo_run(demo_run, tmp_path, "prompts")
+    port = free_port("127.0.0.1")
+    config = demo_config(vllm={"port": port, **vllm})
+    process = snakemake(tmp_path, config, "results/demo/synthetic/stats.json", check=False)
+    assert process.returncode != 0
+    log = (tmp_path / "logs/demo/generate.log").read_text()
+    assert message in log and "logs/demo/generate.server.log" in log
+    assert not (results / "synthetic/stats.json").exists()
+    assert subprocess.run(["pgrep", "-f", "--", f"--port {port}( |$)"], capture_output=True).returncode == 1

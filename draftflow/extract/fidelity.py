@@ -95,3 +95,17 @@ def compare(
         "max_relative_error_per_layer": dict(zip(map(str, layer_ids), worst, strict=True)),
         "passed": all(error <= tolerance for error in worst),
     }
+
+
+def fidelity_failure(result: dict) -> str | None:
+    """The message that fails the run when a checked layer id differs beyond the tolerance, naming it."""
+    if result["passed"] is not False:
+        return None
+    tolerance = result["tolerance"]
+    beyond = {layer: error for layer, error in result["max_relative_error_per_layer"].items() if error > tolerance}
+    layers = ", ".join(f"layer {layer}: {error:.3g}" for layer, error in beyond.items())
+    return (
+        f"vLLM and transformers hidden states differ beyond extract.fidelity_tolerance {tolerance:g} "
+        f"(max relative error) at {layers} ({result['samples']} samples). "
+        "Check extract.layer_ids and the target's dtype before training on them."
+    )

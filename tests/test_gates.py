@@ -1,0 +1,120 @@
+"""The README's refusals, shown refusing (issue 16): both quality gates fail the run, the
+disk check refuses, a parse-time refusal runs no job, provenance can fail."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from draftflow.evaluate import gate, gate_failure
+from draftflow.extract.fidelity import compare, fidelity_failure
+from draftflow.fingerprint import target_fingerprint
+from draftflow.generate import GenerationSettings, work_file
+from tests.conftest import copy_demo_run, demo_config, snakemake
+
+TRAINED = {"mean_acceptance_length": 1.4, "acceptance_per_position": [0.3, 0.1, 0.0]}
+
+
+def test_the_evaluation_gate_passes_at_the_threshold_and_fails_below_it():
+    results = {"trained": TRAINED, "untrained": {"mean_acceptance_length": 1.01}}
+    assert gate(results, 1.4) == {"min_acceptance_length": 1.4, "passed": True}
+    assert gate_failure(results | {"gate": gate(results, 1.4)}) is None
+    failure = gate_failure(results | {"gate": gate(results, 1.5)})
+    assert failure.startswith("Evaluation gate failed: mean acceptance length 1.400 < evaluate.min_acceptance_length 1.5")
+    assert "untrained floor 1.010" in failure
+
+
+def test_the_fidelity_gate_names_the_layer_beyond_the_tolerance():
+    reference = {0: torch.ones(5, 3, 8)}
+    other = {0: reference[0].clone()}
+    other[0][2, 1, 4] = 1.1  # layer slot 1 off by 10%
+    result = compare(reference, other, [2, 4, 8], tolerance=0.05)
+    assert result["passed"] is False
+    failure = fidelity_failure(result)
+    assert "at layer 4: 0.1 (1 samples)" in failure and "layer 2" not in failure and "layer 8" not in failure
+    assert fidelity_failure(compare(reference, other, [2, 4, 8], tolerance=0.2)) is None
+
+
+def test_the_target_fingerprint_follows_config_and_tokenizer_not_weights_or_mtimes(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    (target / "model.safetensors").write_bytes(b"weights")
+    first = target_fingerprint(target)
+    (target / "model.safetensors").write_bytes(b"other weights")
+    (target / "config.json").touch()
+    assert target_fingerprint(target) == first
+    (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages | length }}"}))
+    assert target_fingerprint(target) != first
+    second = target_fingerprint(target)
+    (target / "config.json").write_text(json.dumps({"hidden_size": 16}))
+    assert target_fingerprint(target) not in (first, second)
+
+
+def test_a_generation_setting_edit_starts_a_new_work_file(tmp_path):
+    conversations = tmp_path / "conversations.jsonl"
+    conversations.write_text('{"messages": []}\n')
+    settings = GenerationSettings(max_tokens=64, temperature=0.0, concurrency=4, max_retries=1, seed=0,
+                                  reasoning_end_marker="</think>", max_error_fraction=0.0)  # fmt: skip
+    same = work_file(tmp_path, conversations, "t", settings)
+    assert work_file(tmp_path, conversations, "t", GenerationSettings(**{**settings.__dict__, "concurrency": 8})) == same
+    for change in ({"max_tokens": 65}, {"temperature": 0.5}, {"seed": 1}):
+        assert work_file(tmp_path, conversations, "t", GenerationSettings(**{**settings.__dict__, **change})) != same
+
+
+@pytest.mark.slow
+def test_an_evaluation_gate_above_the_drafter_fails_the_run_and_leaves_no_report(tmp_path, demo_run):
+    stages = ("prompts", "synthetic", "prepared", "vocab", "hidden_states", "fidelity", "drafter_untrained",
+              "training_data", "train", "drafter")  # fmt: skip
+    results = copy_demo_run(demo_run, tmp_path, *stages)
+    shutil.copytree(demo_run.parents[1] / "benchmarks", tmp_path / "benchmarks")
+    reached = json.loads((demo_run / "evaluation/evaluation.json").read_text())["trained"]["mean_acceptance_length"]
+    threshold = round(reached + 1, 1)
+    config = demo_config(evaluate={"min_acceptance_length": threshold, "serve_check": False})
+    process = snakemake(tmp_path, config, "results/demo/report/report.md", check=False)
+    assert process.returncode != 0
+    log = (tmp_path / "logs/demo/evaluate.log").read_text()
+    assert f"Evaluation gate failed: mean acceptance length {reached:.3f} < evaluate.min_acceptance_length {threshold}" in log
+    assert not (results / "report").exists() and not (results / "evaluation/evaluation.json").exists()
+    assert "rule evaluate:" in process.stderr and "rule report:" not in process.stderr  # it ran, then failed
+
+
+@pytest.mark.slow
+def test_a_fidelity_tolerance_below_the_measured_error_fails_naming_the_layer(tmp_path, demo_run):
+    results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic", "prepared", "hidden_states")
+    measured = json.loads((demo_run / "fidelity/fidelity.json").read_text())["max_relative_error_per_layer"]
+    worst = max(measured, key=measured.get)
+    config = demo_config(extract={"fidelity_tolerance": {"float32": measured[worst] / 2}})
+    process = snakemake(tmp_path, config, "results/demo/fidelity/fidelity.json", check=False)
+    assert process.returncode != 0
+    log = (tmp_path / "logs/demo/fidelity.log").read_text()
+    assert "differ beyond extract.fidelity_tolerance" in log and f"layer {worst}: " in log
+    assert not (results / "fidelity/fidelity.json").exists()
+
+
+@pytest.mark.slow
+def test_extract_plan_refuses_to_start_without_room_for_the_exact_bytes(tmp_path, demo_run):
+    results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic", "prepared")
+    planned = json.loads((demo_run / "hidden_states/plan.json").read_text())["bytes"]
+    free = shutil.disk_usage(tmp_path).free
+    margin = round(free / planned)  # the exact bytes x (1 + margin) exceed what is free
+    config = demo_config(extract={"disk_margin": margin})
+    process = snakemake(tmp_path, config, "results/demo/hidden_states/plan.json", check=False)
+    assert process.returncode != 0
+    log = (tmp_path / "logs/demo/extract_plan.log").read_text()
+    assert f"Not enough disk for hidden states in results/demo/hidden_states: the stage writes {planned / 1e9:.2f} GB" in log
+    assert list((results / "hidden_states").glob("*")) == []  # no plan, no shard, no model loaded
+    assert "rule extract_plan:" in process.stderr and "rule extract_server:" not in process.stderr
+
+
+@pytest.mark.slow
+def test_a_parse_time_refusal_runs_no_job_and_writes_nothing(tmp_path, demo_run):
+    """A real run, not -n: layer ids beyond the target stop it before any job."""
+    shutil.copytree(demo_run.parents[1] / "resources", tmp_path / "resources")
+    process = snakemake(tmp_path, demo_config(extract={"layer_ids": [2, 40]}), check=False)
+    assert process.returncode != 0 and "extract.layer_ids [2, 40] do not fit the target's 8 layers" in process.stderr
+    output = process.stdout + process.stderr
+    assert "Job stats" not in output and "rule " not in output
+    assert not (tmp_path / "results").exists() and not (tmp_path / "logs").exists()
