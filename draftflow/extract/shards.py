@@ -248,10 +248,6 @@ class SharedExtractor:
         yield self._extract
 
 
-def server_shards(plan: dict, server: int) -> list[int]:
-    return [shard["shard"] for shard in plan["shards"] if shard["server"] == server]
-
-
 def run_server(
     plan: dict,
     server: int,
@@ -263,27 +259,29 @@ def run_server(
     writers: int = 8,
 ) -> list[dict]:
     """Extract the shards of one server job, one after another, with one model
-    load; returns their manifests, each written as its shard finishes."""
-    shards = server_shards(plan, server)
+    load; returns their manifests, each written as its shard finishes.
+    ``samples`` are the prepared dataset's rows; the plan says which go where."""
+    shards = [shard for shard in plan["shards"] if shard["server"] == server]
     for shard in shards:  # a manifest says "done" to the progress check: none may predate this run
-        layout.shard_manifest_path(output_dir, shard).unlink(missing_ok=True)
+        layout.shard_manifest_path(output_dir, shard["shard"]).unlink(missing_ok=True)
     manifests = []
     with SharedExtractor(open_extractor) as shared:
         for shard in shards:
+            number = shard["shard"]
             records = run_shard(
-                shard_samples(samples, shard, plan["num_shards"]),
-                shard,
-                layout.shard_dir(output_dir, shard),
-                layout.heartbeat_path(output_dir, shard),
+                [samples[index] for index, _ in shard["samples"]],
+                number,
+                layout.shard_dir(output_dir, number),
+                layout.heartbeat_path(output_dir, number),
                 settings,
                 shared,
                 writers=writers,
                 model_loaded=shared.loaded,
             )
-            manifest = shard_manifest(shard, plan["num_shards"], records, settings, plan["hidden_size"], target)
-            write_json(layout.shard_manifest_path(output_dir, shard), manifest)
+            manifest = shard_manifest(number, plan["num_shards"], records, settings, plan["hidden_size"], target)
+            write_json(layout.shard_manifest_path(output_dir, number), manifest)
             manifests.append(manifest)
-            print(f"shard {shard}: {manifest['samples']} samples, {manifest['tokens']} tokens, {manifest['bytes'] / 1e6:.1f} MB")
+            print(f"shard {number}: {manifest['samples']} samples, {manifest['tokens']} tokens, {manifest['bytes'] / 1e6:.1f} MB")
     return manifests
 
 
