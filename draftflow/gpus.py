@@ -367,6 +367,13 @@ def snakemake_runs_locally(
     return True
 
 
+def server_gpus(config: dict) -> int:
+    """GPUs one vLLM server of the target takes: tensor x data parallel (0 off CUDA)."""
+    if config["device"] != "cuda":
+        return 0
+    return config["vllm"]["tensor_parallel_size"] * config["vllm"]["data_parallel_size"]
+
+
 def concurrent_servers(
     configured: int | None, shards: int, gpus_per_server: int, local_gpus: int | None
 ) -> tuple[int, str]:

@@ -17,7 +17,6 @@ needs is missing, 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import shutil
@@ -30,10 +29,11 @@ import yaml
 from draftflow.config import load_config
 from draftflow.costs import hidden_states_bytes, later_stage_bytes, tree_bytes, vocab_map_bytes
 from draftflow.extract import layout
-from draftflow.extract.fidelity import decide, device_memory
-from draftflow.gpus import concurrent_servers, local_gpu_count
-from draftflow.io import write_text
+from draftflow.extract.fidelity import decide_for_config
+from draftflow.gpus import concurrent_servers, local_gpu_count, server_gpus
+from draftflow.io import read_json, write_text
 from draftflow.layers import resolve_layer_ids
+from draftflow.report import read_benchmark
 from draftflow.target_model import TargetModel, read_target_model
 from draftflow.target_source import resolve_target
 from draftflow.units import fmt_bytes, fmt_duration, parse_size
@@ -113,20 +113,11 @@ class Plan:
 # -- rates ----------------------------------------------------------------------
 
 
-def benchmark_seconds(path: Path) -> float:
-    with path.open() as stream:
-        return float(next(csv.DictReader(stream, delimiter="\t"))["s"])
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
 def rates_from_run(run_dir: Path) -> Rates:
     """Rates measured by an earlier run: ``results/<run>`` beside its ``benchmarks/<run>``."""
     run_dir = Path(run_dir)
     benchmarks = run_dir.parents[1] / "benchmarks" / run_dir.name
-    seconds = {path.stem: benchmark_seconds(path) for path in benchmarks.glob("*.tsv")}
+    seconds = {path.stem: read_benchmark(path)["seconds"] for path in benchmarks.glob("*.tsv")}
     generated, prepared = read_json(run_dir / "synthetic/stats.json"), read_json(run_dir / "prepared/stats.json")
     extracted = read_json(run_dir / "hidden_states" / layout.SUMMARY)
     trained = read_json(run_dir / "train/stats.json")
@@ -214,20 +205,14 @@ def token_counts(config: dict, run_dir: Path, rates: Rates) -> dict:
 # -- the plan -----------------------------------------------------------------------
 
 
-def gpus_per_server(config: dict) -> int:
-    if config["device"] != "cuda":
-        return 0
-    return config["vllm"]["tensor_parallel_size"] * config["vllm"]["data_parallel_size"]
-
-
-def plan_stages(config: dict, target: TargetModel, work: dict, rates: Rates, run_dir: Path, local_gpus: int | None, fidelity: bool) -> list[Stage]:
-    server_gpus, samples, tokens = gpus_per_server(config), work["samples"], work["tokens"]
+def plan_stages(config: dict, target: TargetModel, num_layer_ids: int, work: dict, later: dict[str, int], rates: Rates,
+                run_dir: Path, local_gpus: int | None, fidelity: bool) -> list[Stage]:  # fmt: skip
+    """``later``: the bytes of the outputs after extraction, in the end (costs.later_stage_bytes)."""
+    gpus, samples, tokens = server_gpus(config), work["samples"], work["tokens"]
     shards = config["extract"]["shards"]
-    servers, _ = concurrent_servers(config["extract"]["servers"], shards, server_gpus, local_gpus)
-    at_once = servers if local_gpus is None or server_gpus == 0 else max(1, min(servers, local_gpus // max(server_gpus, 1)))
-    layer_ids = resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
-    hidden_bytes = hidden_states_bytes(samples, tokens, len(layer_ids), target.hidden_size, config["target"]["dtype"])
-    later = later_stage_bytes(config, target, len(layer_ids), round(rates.prepared_bytes_per_token * tokens), peak=False)
+    servers, _ = concurrent_servers(config["extract"]["servers"], shards, gpus, local_gpus)
+    at_once = servers if local_gpus is None or gpus == 0 else max(1, min(servers, local_gpus // gpus))
+    hidden_bytes = hidden_states_bytes(samples, tokens, num_layer_ids, target.hidden_size, config["target"]["dtype"])
     measured = lambda name: rates.stage_seconds.get(name, 0.0)  # noqa: E731
     load = rates.model_load_s
     per_server = load + tokens / servers / rates.extract_tokens_per_s
@@ -235,23 +220,23 @@ def plan_stages(config: dict, target: TargetModel, work: dict, rates: Rates, run
     train_gpus = config["train"]["gpus"] if config["device"] == "cuda" else 0
     serve = config["evaluate"]["serve_check"]
 
-    def stage(name, jobs, gpus, loads, written, seconds, gpu_seconds=None, load_seconds=0.0) -> Stage:
-        gpu_seconds = seconds * gpus * jobs if gpu_seconds is None else gpu_seconds
-        return Stage(name, jobs, gpus, loads, int(written), seconds, gpu_seconds / 3600, load_seconds)
+    def stage(name, jobs, gpus_per_job, loads, written, seconds, gpu_seconds=None, load_seconds=0.0) -> Stage:
+        gpu_seconds = seconds * gpus_per_job * jobs if gpu_seconds is None else gpu_seconds
+        return Stage(name, jobs, gpus_per_job, loads, int(written), seconds, gpu_seconds / 3600, load_seconds)
 
     stages = [
         stage("prompts", 1, 0, 0, existing_or(run_dir / "prompts", 0), measured("prompts")),
-        stage("generate", 1, server_gpus, 1, existing_or(run_dir / "synthetic", rates.generated_bytes_per_token * tokens),
+        stage("generate", 1, gpus, 1, existing_or(run_dir / "synthetic", rates.generated_bytes_per_token * tokens),
               load + work["response_tokens"] / rates.generate_tokens_per_s, load_seconds=load),
         stage("prepare", 1, 0, 0, existing_or(run_dir / "prepared", rates.prepared_bytes_per_token * tokens),
               tokens / rates.prepare_tokens_per_s),
         stage("vocab_map", 1, 0, 0, vocab_map_bytes(target.vocab_size, config["vocab"]["draft_vocab_size"]),
               measured("vocab_map")),
         stage("extract_plan", 1, 0, 0, 0, measured("extract_plan")),
-        stage("extract_server", servers, server_gpus, servers, hidden_bytes, extract_wall,
-              gpu_seconds=servers * server_gpus * per_server, load_seconds=math.ceil(servers / at_once) * load),
+        stage("extract_server", servers, gpus, servers, hidden_bytes, extract_wall,
+              gpu_seconds=servers * gpus * per_server, load_seconds=math.ceil(servers / at_once) * load),
         stage("extract", 1, 0, 0, 0, measured("extract")),
-        stage("fidelity", 1, server_gpus if fidelity else 0, 2 if fidelity else 0, 0, measured("fidelity") if fidelity else 0.0),
+        stage("fidelity", 1, gpus if fidelity else 0, 2 if fidelity else 0, 0, measured("fidelity") if fidelity else 0.0),
         stage("drafter_init", 1, 0, 0, later["untrained drafter"], measured("drafter_init")),
         stage("train_views", 1, 0, 0, later["training views"], measured("train_views")),
         stage("train", 1, train_gpus, 0, later["drafter"] + later["training checkpoints"],
@@ -259,7 +244,7 @@ def plan_stages(config: dict, target: TargetModel, work: dict, rates: Rates, run
         stage("evaluate", 1, 0, 0, later["evaluation and report"], measured("evaluate")),
     ]  # fmt: skip
     if serve:
-        stages.append(stage("serve_check", 1, server_gpus, 1, 0, measured("serve_check")))
+        stages.append(stage("serve_check", 1, gpus, 1, 0, measured("serve_check")))
     return stages + [stage("report", 1, 0, 0, 0, measured("report")), stage("provenance", 1, 0, 0, 0, measured("provenance"))]
 
 
@@ -272,14 +257,14 @@ def build_plan(config: dict, run_dir: Path, rates: Rates, free_bytes: int | None
     """The plan of ``config``'s run, whose outputs go to ``run_dir`` (``<working directory>/results/<run>``)."""
     in_workdir = run_dir.parents[1] / config["target"]["path"]  # results/<run> sits in the working directory
     target = read_target_model(in_workdir if in_workdir.is_dir() else resolve_target(config["target"]["path"]).folder)
-    fidelity = decide(config["extract"]["fidelity"], target.weight_bytes,
-                      *device_memory(config["device"], config["extract"]["fidelity_device_memory_gb"])).check  # fmt: skip
+    fidelity = decide_for_config(config, target.weight_bytes).check
     work = token_counts(config, run_dir, rates)
-    stages = plan_stages(config, target, work, rates, run_dir, local_gpus, fidelity)
+    num_layer_ids = len(resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers))
+    views = round(rates.prepared_bytes_per_token * work["tokens"])
+    later, at_peak = (later_stage_bytes(config, target, num_layer_ids, views, peak=peak) for peak in (False, True))
+    stages = plan_stages(config, target, num_layer_ids, work, later, rates, run_dir, local_gpus, fidelity)
     total = sum(s.bytes_written for s in stages)
-    layer_ids = resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
-    checkpoint = lambda peak: later_stage_bytes(config, target, len(layer_ids), 0, peak=peak)["training checkpoints"]  # noqa: E731
-    peak = total + checkpoint(True) - checkpoint(False)
+    peak = total + sum(at_peak.values()) - sum(later.values())
     disk = run_dir if run_dir.exists() else Path.cwd()
     free = shutil.disk_usage(disk).free if free_bytes is None else free_bytes
     warnings = plan_warnings(config, work, stages, peak, free, local_gpus)

@@ -3,8 +3,13 @@ import sys
 from pathlib import Path
 
 from draftflow.provenance import code_version as draftflow_code_version
-from draftflow.extract.fidelity import decide as decide_fidelity, device_memory
-from draftflow.gpus import concurrent_servers, local_gpu_count, snakemake_runs_locally
+from draftflow.extract.fidelity import decide_for_config
+from draftflow.gpus import (
+    concurrent_servers,
+    local_gpu_count,
+    server_gpus,
+    snakemake_runs_locally,
+)
 from draftflow.extract import layout
 from draftflow.layers import resolve_layer_ids
 from draftflow.plan import write_plan
@@ -65,9 +70,7 @@ def vllm_server_params(extra_args=()):
 
 
 def gpus_per_server():
-    if config["device"] != "cuda":
-        return 0
-    return config["vllm"]["tensor_parallel_size"] * config["vllm"]["data_parallel_size"]
+    return server_gpus(config)
 
 
 def generation_server_args():
@@ -78,11 +81,9 @@ def generation_server_args():
 def fidelity_decision():
     """Whether the fidelity rule loads the target; its script decides again once the target exists."""
     exists = (Path(TARGET) / "config.json").exists()
-    weight_bytes = read_target_model(TARGET).weight_bytes if exists else None
-    memory = device_memory(
-        config["device"], config["extract"]["fidelity_device_memory_gb"]
+    return decide_for_config(
+        config, read_target_model(TARGET).weight_bytes if exists else None
     )
-    return decide_fidelity(config["extract"]["fidelity"], weight_bytes, *memory)
 
 
 def extract_backend_options():

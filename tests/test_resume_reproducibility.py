@@ -1,7 +1,6 @@
 """Kill the whole workflow during generation and during training, resume, and get
 exactly the drafter that an uninterrupted run of the same config produced."""
 
-import csv
 import json
 import os
 import signal
@@ -16,6 +15,7 @@ from safetensors.torch import load_file
 from draftflow.config import load_config
 from draftflow.io import iter_jsonl
 from draftflow.plan import build_plan, rates_from_run
+from draftflow.report import read_benchmark
 from tests.conftest import REPO, SNAKEMAKE, demo_config, snakemake
 
 pytestmark = pytest.mark.slow
@@ -109,6 +109,5 @@ def test_the_plan_fed_the_demo_runs_rates_foretells_the_repeat_runs_stage_times(
     planned = {stage.name: stage.seconds for stage in plan.stages}
     for stage in ("prepare", "vocab_map", "extract_server", "drafter_init", "evaluate", "serve_check"):
         benchmark = workdir / "benchmarks/repeat" / f"{stage}{'-0' if stage == 'extract_server' else ''}.tsv"
-        with benchmark.open() as stream:
-            measured = float(next(csv.DictReader(stream, delimiter="\t"))["s"])
+        measured = read_benchmark(benchmark)["seconds"]
         assert planned[stage] == pytest.approx(measured, rel=0.3), stage

@@ -63,6 +63,12 @@ def decide(setting: str, weight_bytes: int | None, memory_bytes: float, memory_s
     )
 
 
+def decide_for_config(config: dict, weight_bytes: int | None) -> FidelityDecision:
+    """:func:`decide` with a complete config's settings (``extract.fidelity``, the device's memory)."""
+    memory = device_memory(config["device"], config["extract"]["fidelity_device_memory_gb"])
+    return decide(config["extract"]["fidelity"], weight_bytes, *memory)
+
+
 def not_checked(decision: FidelityDecision) -> dict:
     return {"checked": False, "reason": decision.reason, "passed": None}
 
