@@ -33,7 +33,7 @@ lint: install
 	$(BIN)/snakefmt --check Snakefile rules
 
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(CORES)
 
 # The CPU lock is frozen from the CPU venv; the CUDA lock is resolved by pip
 # (Python 3.11 and 3.12, default index); both regenerate the install scripts.

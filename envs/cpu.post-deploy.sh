@@ -49,6 +49,7 @@ docutils==0.22.4
 dpath==2.2.0
 einops==0.8.2
 email-validator==2.4.0
+execnet==2.1.2
 fastapi==0.136.3
 fastapi-cli==0.0.34
 fastapi-cloud-cli==0.28.0
@@ -151,6 +152,7 @@ Pygments==2.21.0
 PyJWT==2.15.1
 pyparsing==3.3.3
 pytest==9.2.0
+pytest-xdist==3.8.0
 python-dateutil==4.0.0
 python-dotenv==1.2.4
 python-json-logger==4.2.0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -45,17 +47,89 @@ def snakemake(
     return process
 
 
+# `make test` runs two pytest-xdist workers. The modules whose tests read the demo run
+# go to one worker, which runs the demo once; every other module goes whole to a worker,
+# so its module fixtures (a twin's run, a SLURM cluster) run once.
+DEMO_MODULES = {
+    "test_data_stages", "test_extract_stage", "test_faults", "test_gates", "test_multi_turn", "test_plan",
+    "test_rebuilds", "test_resume_reproducibility", "test_server_faults", "test_train_evaluate_report",
+}  # fmt: skip
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class DemoModulesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "demo" if Path(module).stem in DEMO_MODULES else module
+
+    return DemoModulesTogether(config, log)
+
+
+def pytest_itemcollected(item):
+    if "workdir" in item.fixturenames and item.module.__name__.rsplit(".", 1)[-1] not in DEMO_MODULES:
+        raise pytest.UsageError(f"{item.nodeid} reads the demo run: add its module to DEMO_MODULES in {__file__}")
+
+
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory) -> Path:
     """One working directory for every workflow test: the demo target is built once."""
     return tmp_path_factory.mktemp("workflow")
 
 
+# Whole runs that build on the demo and only finish much later: started in the background
+# as soon as the demo is done (when a collected test asks for them), they use the cores
+# the tests leave idle. Name of the fixture that waits for one -> its config.
+BACKGROUND_RUNS = {"second_demo_run": lambda: demo_config(run="again")}
+
+
 @pytest.fixture(scope="session")
-def demo_run(workdir) -> Path:
+def demo_run(workdir, request) -> Path:
     """The default demo, run for real; returns its results directory."""
     snakemake(workdir, demo_config())
+    wanted = {name for item in request.session.items for name in item.fixturenames}
+    for name, config in BACKGROUND_RUNS.items():
+        if name in wanted:
+            process = start_snakemake(workdir, config())
+            request.config.stash.setdefault(BACKGROUND, {})[name] = process
+            request.addfinalizer(lambda process=process: stop_group(process))
     return workdir / "results/demo"
+
+
+BACKGROUND = pytest.StashKey[dict]()
+
+
+@pytest.fixture(scope="session")
+def second_demo_run(request, demo_run) -> Path:
+    """The demo config again under another run name, uninterrupted."""
+    return background_run(request, "second_demo_run")
+
+
+def background_run(request, name: str) -> Path:
+    """Wait for the background run ``name`` (BACKGROUND_RUNS); its results directory."""
+    process = request.config.stash[BACKGROUND][name]
+    workdir, run = Path(process.args[process.args.index("--directory") + 1]), BACKGROUND_RUNS[name]()["run"]
+    if process.wait():
+        output = (workdir / f"snakemake-{run}.out").read_text()
+        pytest.fail(f"the background run {name} failed ({process.returncode}):\n{output[-6000:]}")
+    return workdir / "results" / run
+
+
+def start_snakemake(workdir: Path, config: dict) -> subprocess.Popen:
+    """The workflow in the background; its output in ``workdir/snakemake-<run>.out``."""
+    config_path = workdir / f"config-{config['run']}.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    command = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+               "--configfile", str(config_path), "--cores", "2"]  # fmt: skip
+    with (workdir / f"snakemake-{config['run']}.out").open("w") as output:
+        return subprocess.Popen(command, start_new_session=True, stdout=output, stderr=subprocess.STDOUT)
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def copy_demo_run(demo_run, workdir, *stages):

@@ -9,11 +9,13 @@ import time
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from speculators.train.data import ArrowDataset
 
 from draftflow.fingerprint import file_sha256
-from tests.conftest import REPO, SNAKEMAKE, demo_config, snakemake
+from draftflow.vllm_server import free_port
+from tests.conftest import REPO, SNAKEMAKE, copy_demo_run, demo_config, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -68,10 +70,11 @@ def test_training_view_loads_in_speculators_dataset(demo_run):
     assert sample["loss_mask"].sum() > 0
 
 
-def test_a_killed_server_job_resumes_each_of_its_shards_from_its_journal(workdir, demo_run):
+def test_a_killed_server_job_resumes_each_of_its_shards_from_its_journal(tmp_path, demo_run):
     """The demo's one server job holds both shards; SIGKILL it while shard 1
     extracts (shard 0 finished); the rerun keeps shard 0, resumes shard 1."""
-    hidden_states = demo_run / "hidden_states"
+    results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic", "prepared", "hidden_states")
+    hidden_states = results / "hidden_states"
     assert json.loads((hidden_states / "plan.json").read_text())["servers"] == 1
     shard_dir = hidden_states / "shard-1"
     for output in ("server-0.json", "shard-0.json", "shard-1.json", "manifest.json"):
@@ -79,8 +82,10 @@ def test_a_killed_server_job_resumes_each_of_its_shards_from_its_journal(workdir
     for path in shard_dir.iterdir():
         path.unlink()
     shard_0_files = sorted(p.name for p in (hidden_states / "shard-0").glob("hs_*.safetensors"))
-    config_path = workdir / "config-demo.yaml"
-    command = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+    config = demo_config(vllm={"port": free_port("127.0.0.1")})
+    config_path = tmp_path / "config-demo.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    command = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
                "--configfile", str(config_path), "--cores", "1", "extract"]  # fmt: skip
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     journal = shard_dir / "journal.jsonl"
@@ -93,24 +98,24 @@ def test_a_killed_server_job_resumes_each_of_its_shards_from_its_journal(workdir
     process.wait()
     assert 10 < done_before_kill < 100, "the kill did not land mid-shard"
 
-    snakemake(workdir, demo_config(), "--unlock")  # a killed Snakemake leaves its lock
-    rerun = snakemake(workdir, demo_config(), "extract", "--rerun-incomplete")
+    snakemake(tmp_path, config, "--unlock")  # a killed Snakemake leaves its lock
+    rerun = snakemake(tmp_path, config, "extract", "--rerun-incomplete")
     assert rerun.returncode == 0
-    log = (workdir / "logs/demo/extract_server-0.log").read_text()
+    log = (tmp_path / "logs/demo/extract_server-0.log").read_text()
     on_disk = dict(re.findall(r"shard (\d): (\d+ of \d+) samples already on disk", log))  # the rerun's, last
     assert on_disk["0"] == f"{len(shard_0_files)} of {len(shard_0_files)}"
     assert int(on_disk["1"].split()[0]) >= done_before_kill
     heartbeats = [json.loads((hidden_states / f"shard-{k}.heartbeat.json").read_text()) for k in (0, 1)]
     assert [h["loads_model"] for h in heartbeats] == [False, True]  # one load, for the shard with work left
     assert sorted(p.name for p in (hidden_states / "shard-0").glob("hs_*.safetensors")) == shard_0_files
-    assert_manifests_match_files(demo_run)
-    assert no_vllm_server_within(60), "a vLLM server outlived its killed job"
+    assert_manifests_match_files(results)
+    assert no_server_on_port_within(config["vllm"]["port"], 60), "a vLLM server outlived its killed job"
 
 
-def no_vllm_server_within(seconds):
+def no_server_on_port_within(port, seconds):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        found = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True)
+        found = subprocess.run(["pgrep", "-f", "--", f"--port {port}( |$)"], capture_output=True)
         if found.returncode == 1:
             return True
         time.sleep(1)

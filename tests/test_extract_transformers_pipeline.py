@@ -27,16 +27,20 @@ def samples(lengths):
 
 def test_right_padding_without_a_mask_matches_each_sample_alone(tiny_model):
     """Batched rows are right-padded and run causally without a mask: real positions never
-    see the padding, so each sample's states are those of the sample run alone."""
+    see the padding, so each sample's states are Hugging Face's for the sample run alone
+    (the last slot is before the final norm: normed, it is Hugging Face's last state)."""
     batch = samples([40, 23, 7, 31])
     extractor = TransformersExtractor(tiny_model, [1, 3, LAYERS], token_budget=4 * 40, device="cpu")
     got = dict(((s.index, states) for s, states in extractor(batch)))
     assert extractor.timings["batches"] == 1 and extractor.timings["padded_tokens"] == 4 * 40
-    alone = TransformersExtractor(tiny_model, [1, 3, LAYERS], token_budget=1, device="cpu")
     for sample in batch:
-        (_, reference), = alone([sample])
-        assert got[sample.index].shape == (len(sample.token_ids), 3, 32)
-        torch.testing.assert_close(got[sample.index], reference, atol=1e-5, rtol=1e-4)
+        with torch.no_grad():
+            reference = tiny_model(torch.tensor([sample.token_ids]), output_hidden_states=True).hidden_states
+            states = got[sample.index]
+            assert states.shape == (len(sample.token_ids), 3, 32)
+            torch.testing.assert_close(states[:, 0], reference[1][0], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(states[:, 1], reference[3][0], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(tiny_model.model.norm(states[:, 2]), reference[LAYERS][0], atol=1e-5, rtol=1e-4)
 
 
 def test_samples_are_contiguous_views_of_their_batch(tiny_model):

@@ -53,7 +53,7 @@ def test_the_target_fingerprint_follows_config_and_tokenizer_not_weights_or_mtim
     assert target_fingerprint(target) not in (first, second)
 
 
-def test_a_generation_setting_edit_starts_a_new_work_file(tmp_path):
+def test_a_prompt_target_or_generation_setting_edit_starts_a_new_work_file(tmp_path):
     conversations = tmp_path / "conversations.jsonl"
     conversations.write_text('{"messages": []}\n')
     settings = GenerationSettings(max_tokens=64, temperature=0.0, concurrency=4, max_retries=1, seed=0,
@@ -62,6 +62,9 @@ def test_a_generation_setting_edit_starts_a_new_work_file(tmp_path):
     assert work_file(tmp_path, conversations, "t", GenerationSettings(**{**settings.__dict__, "concurrency": 8})) == same
     for change in ({"max_tokens": 65}, {"temperature": 0.5}, {"seed": 1}):
         assert work_file(tmp_path, conversations, "t", GenerationSettings(**{**settings.__dict__, **change})) != same
+    assert work_file(tmp_path, conversations, "other-target", settings) != same
+    conversations.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert work_file(tmp_path, conversations, "t", settings) != same
 
 
 @pytest.mark.slow

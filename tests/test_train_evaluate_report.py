@@ -5,11 +5,12 @@ import json
 
 import numpy as np
 import pytest
+from datasets import load_from_disk
 from safetensors.torch import load_file
 from speculators.models.eagle3 import Eagle3DraftModel
 
 from draftflow.evaluate import LayerIdMismatch, check_layer_ids
-from tests.conftest import demo_config
+from tests.conftest import copy_demo_run, demo_config, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +46,25 @@ def test_vllm_serves_the_drafter_and_counts_acceptance(demo_run):
     assert 1.5 < served["mean_acceptance_length"] <= 1 + demo_config()["evaluate"]["draft_tokens"]
 
 
-def test_heldout_samples_never_reach_training(demo_run):
-    split = json.loads((demo_run / "training_data/split.json").read_text())
-    assert split["heldout_rows"] and not set(split["heldout_rows"]) & set(split["train_rows"])
+def test_heldout_samples_never_reach_training(tmp_path, demo_run):
+    """The views are disjoint by sample id and cover the dataset; with every held-out
+    hidden-state file deleted from the shards, training still runs: it reads none of them."""
+    stages = ("prompts", "synthetic", "prepared", "vocab", "hidden_states", "fidelity", "drafter_untrained",
+              "training_data")  # fmt: skip
+    results = copy_demo_run(demo_run, tmp_path, *stages)
+    config = demo_config(train={"epochs": 1})
+    snakemake(tmp_path, config, "results/demo/training_data/split.json", "--forcerun", "train_views")  # this code's views
+    views = {name: results / "training_data" / name for name in ("train", "heldout")}
+    ids = {name: set(load_from_disk(str(view))["sample_id"]) for name, view in views.items()}
+    assert ids["heldout"] and not ids["train"] & ids["heldout"]
+    assert ids["train"] | ids["heldout"] == set(load_from_disk(str(results / "prepared/dataset"))["sample_id"])
+    sources = {name: {link.resolve() for link in (view / "hidden_states").iterdir()} for name, view in views.items()}
+    assert len(sources["heldout"]) == len(ids["heldout"]) and not sources["train"] & sources["heldout"]
+    for source in sources["heldout"]:
+        source.unlink()
+    snakemake(tmp_path, config, "results/demo/train/stats.json")
+    assert json.loads((results / "train/stats.json").read_text())["steps"] > 0
+    assert not any(source.exists() for source in sources["heldout"])
 
 
 def test_report_covers_every_stage(demo_run):
