@@ -31,11 +31,12 @@ def tree_bytes(path: Path) -> int:
     return total
 
 
-def hidden_states_bytes(samples: int, tokens: int, num_layer_ids: int, hidden_size: int, dtype: str) -> int:
+def hidden_states_bytes(
+    samples: int, tokens: int, num_layer_ids: int, hidden_size: int, dtype: str, storage: str
+) -> int:
     """The extraction's bytes: exact data, each file's header at its upper bound."""
-    return hidden_state_bytes(tokens, num_layer_ids, hidden_size, dtype) + (samples - 1) * hidden_state_bytes(
-        0, num_layer_ids, hidden_size, dtype
-    )
+    file_bytes = lambda n: hidden_state_bytes(n, num_layer_ids, hidden_size, dtype, storage)  # noqa: E731
+    return file_bytes(tokens) + (samples - 1) * file_bytes(0)
 
 
 def vocab_map_bytes(target_vocab: int, draft_vocab: int) -> int:

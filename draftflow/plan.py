@@ -212,7 +212,9 @@ def plan_stages(config: dict, target: TargetModel, num_layer_ids: int, work: dic
     shards = config["extract"]["shards"]
     servers, _ = concurrent_servers(config["extract"]["servers"], shards, gpus, local_gpus)
     at_once = servers if local_gpus is None or gpus == 0 else max(1, min(servers, local_gpus // gpus))
-    hidden_bytes = hidden_states_bytes(samples, tokens, num_layer_ids, target.hidden_size, config["target"]["dtype"])
+    hidden_bytes = hidden_states_bytes(
+        samples, tokens, num_layer_ids, target.hidden_size, config["target"]["dtype"], config["extract"]["storage"]
+    )
     measured = lambda name: rates.stage_seconds.get(name, 0.0)  # noqa: E731
     load = rates.model_load_s
     per_server = load + tokens / servers / rates.extract_tokens_per_s

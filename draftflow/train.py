@@ -21,6 +21,7 @@ import torch
 from speculators.losses.utils import resolve_loss_config
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 from speculators.models.eagle3.data import shift_batch
+from hs_connectors import FP8Transfer
 from speculators.train.data import ArrowDataset, CollateFn
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from torch.utils.data import DataLoader
@@ -106,6 +107,8 @@ def data_loader(view_dir: Path, settings: TrainSettings, num_aux: int, hidden_si
     dataset = ArrowDataset(
         max_len=settings.seq_length,
         datapath=str(view_dir),
+        # reads both extract.storage formats: files without fp8 scales pass through
+        transfer=FP8Transfer(view_dir / "hidden_states", dequantize_dtype=torch.float32),
         on_missing="raise",
         hidden_states_dtype=torch.float32,
     )
@@ -258,6 +261,7 @@ def train_with_trainer(
         "--scheduler-warmup-steps", str(settings.warmup_steps),
         "--total-seq-len", str(settings.seq_length),
         "--on-missing", "raise",
+        "--hidden-states-backend", "fp8",  # reads both extract.storage formats (see data_loader)
         "--train-data-ratio", str(data_ratio),
         "--log-dir", str(work_dir / "logs"),
     ]  # fmt: skip

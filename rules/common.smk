@@ -3,7 +3,7 @@ import sys
 from pathlib import Path
 
 from draftflow.provenance import code_version as draftflow_code_version
-from draftflow.extract.fidelity import decide_for_config
+from draftflow.extract.fidelity import decide_for_config, fidelity_tolerance
 from draftflow.gpus import (
     concurrent_servers,
     local_gpu_count,

@@ -25,6 +25,7 @@ rule extract_plan:
         servers=EXTRACT_SERVERS,
         layer_ids=config["extract"]["layer_ids"],
         dtype=config["target"]["dtype"],
+        storage=config["extract"]["storage"],
         disk_margin=config["extract"]["disk_margin"],
     script:
         "../scripts/extract_plan.py"
@@ -100,7 +101,10 @@ rule fidelity:
         device=config["device"],
         device_memory_gb=config["extract"]["fidelity_device_memory_gb"],
         samples=config["extract"]["fidelity_samples"],
-        tolerance=config["extract"]["fidelity_tolerance"][config["target"]["dtype"]],
+        tolerance=fidelity_tolerance(
+            config["extract"]["fidelity_tolerance"][config["target"]["dtype"]],
+            config["extract"]["storage"],
+        ),
         backend_options=extract_backend_options(),
     script:
         "../scripts/fidelity.py"

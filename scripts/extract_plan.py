@@ -21,6 +21,7 @@ with logged(snakemake.log[0]):
         resolve_layer_ids(params.layer_ids, target.num_layers),
         target.hidden_size,
         params.dtype,
+        params.storage,
     )
     on_disk = sum(path.stat().st_size for path in hidden_state_files(output_dir))
     plan["disk"] = check_free_space(output_dir, plan["bytes"] - on_disk, params.disk_margin)

@@ -17,6 +17,7 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
         layer_ids=tuple(plan["layer_ids"]),
         dtype=plan["dtype"],
         target_fingerprint=target_fingerprint(target),
+        storage=plan["storage"],
     )
     manifests = run_server(
         plan,
@@ -24,7 +25,7 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
         load_samples(Path(snakemake.input.dataset)),
         Path(params.output_dir),
         settings,
-        partial(open_extractor, params.backend, target, plan["layer_ids"], params.backend_options, Path(snakemake.log.server)),
+        partial(open_extractor, params.backend, target, plan["layer_ids"], {**params.backend_options, "storage": plan["storage"]}, Path(snakemake.log.server)),
         target,
         writers=params.write_threads,
     )

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 from draftflow.extract.backends import open_extractor
+from draftflow.extract.hidden_states import full_precision
 from draftflow.extract.shards import load_samples
 from draftflow.extract.fidelity import compare, decide, device_memory, fidelity_failure, not_checked
 from draftflow.io import read_json, write_json
@@ -14,10 +15,11 @@ params = snakemake.params
 def check_fidelity(target: str) -> dict:
     plan = read_json(snakemake.input.plan)
     samples = load_samples(Path(snakemake.input.dataset))[: params.samples]
-    states = {}
+    states = {}  # vllm's as stored (fp8 storage: quantized by its connector), dequantized
+    options = {**params.backend_options, "storage": plan["storage"]}
     for backend in ("transformers", "vllm"):
-        with open_extractor(backend, target, plan["layer_ids"], params.backend_options, Path(snakemake.log.server)) as extract:
-            states[backend] = {sample.index: hs for sample, hs in extract(samples)}
+        with open_extractor(backend, target, plan["layer_ids"], options, Path(snakemake.log.server)) as extract:
+            states[backend] = {sample.index: full_precision(hs) for sample, hs in extract(samples)}
     return compare(states["transformers"], states["vllm"], plan["layer_ids"], params.tolerance)
 
 

@@ -7,12 +7,14 @@ import json
 
 import pytest
 import torch
+from hs_connectors import FP8Transfer
+from hs_connectors.fp8_utils import SCALES_KEY
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftflow.extract.transformers_backend import batches_by_token_budget, transformers_extractor
-from draftflow.extract.hidden_states import write_sample
-from draftflow.extract.layout import Sample, hidden_state_bytes
+from draftflow.extract.hidden_states import STORAGES, read_hidden_states, to_storage, write_sample
+from draftflow.extract.layout import HEADER_BYTES_MAX, Sample, hidden_state_bytes
 from draftflow.extract.shards import ExtractionSettings, ShardJournal, plan_extraction, run_shard, shard_of
 from draftflow.layers import resolve_layer_ids
 
@@ -91,7 +93,7 @@ def test_shard_resumes_and_redoes_only_damaged_files(tiny_target, tmp_path):
 
     shard_dir = tmp_path / "shard-0"
     first = run_shard(samples, 0, shard_dir, tmp_path / "hb.json", settings, open_extractor)
-    plan = plan_extraction(samples, 1, 1, layer_ids, 64, "float32")
+    plan = plan_extraction(samples, 1, 1, layer_ids, 64, "float32", "full")
     actual = sum(r.bytes for r in first)
     assert actual <= plan["bytes"] and plan["bytes"] - actual <= 256 * len(samples)
     damaged = shard_dir / "hs_3.safetensors"
@@ -115,22 +117,52 @@ def test_shard_resumes_and_redoes_only_damaged_files(tiny_target, tmp_path):
     assert [r.sha256 for r in third] != [r.sha256 for r in first]
 
 
-def test_hidden_state_bytes_is_exact_up_to_the_header():
-    from safetensors.torch import save
+@pytest.mark.parametrize(("dtype", "storage"), [("float32", "full"), ("bfloat16", "full"), ("bfloat16", "fp8")])
+def test_hidden_state_bytes_is_exact_up_to_the_header(tmp_path, dtype, storage):
+    for tokens, layers, hidden in ((37, 4, 64), (3000, 4, 1024)):
+        states = to_storage(torch.ones(tokens, layers, hidden, dtype=getattr(torch, dtype)), storage)
+        record = write_sample(tmp_path, 0, "s0", states, torch.zeros(tokens, dtype=torch.int64))
+        assert 0 <= hidden_state_bytes(tokens, layers, hidden, dtype, storage) - record.bytes <= HEADER_BYTES_MAX
 
-    payload = save({"hidden_states": torch.zeros(37, 4, 64), "token_ids": torch.zeros(37, dtype=torch.int64)})
-    assert 0 <= hidden_state_bytes(37, 4, 64, "float32") - len(payload) <= 256
+
+def test_fp8_storage_is_half_of_bfloat16_and_the_scale_per_token():
+    for layers, hidden in ((4, 128), (4, 4096)):  # the demo's shape; an 8B target's
+        full, fp8 = (hidden_state_bytes(1000, layers, hidden, "bfloat16", storage) - HEADER_BYTES_MAX for storage in STORAGES)
+        assert fp8 == 1000 * (layers * hidden + 4 + 8) and fp8 / full <= 0.52
 
 
+@pytest.mark.parametrize("storage", ["full", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_files_are_the_bytes_safetensors_writes(tmp_path, dtype):
+def test_files_are_the_bytes_safetensors_writes(tmp_path, dtype, storage):
     from safetensors.torch import save
 
     states, token_ids = torch.randn(37, 4, 64).to(dtype), torch.randint(0, 300, (37,))
-    record = write_sample(tmp_path, 7, "s7", states, token_ids)
+    stored = to_storage(states, storage)
+    record = write_sample(tmp_path, 7, "s7", stored, token_ids)
     written = (tmp_path / "hs_7.safetensors").read_bytes()
-    assert written == save({"hidden_states": states, "token_ids": token_ids})
+    tensors = {"hidden_states": states} if storage == "full" else {"hidden_states": stored.values, SCALES_KEY: stored.scales}
+    assert written == save({**tensors, "token_ids": token_ids})
     assert record.bytes == len(written) and record.sha256 == hashlib.sha256(written).hexdigest()
+
+
+def test_speculators_fp8_reader_takes_the_files_and_each_value_is_within_fp8_rounding(tmp_path):
+    states = torch.randn(37, 4, 64) * torch.logspace(-2, 2, 4).reshape(1, 4, 1)  # layers of very different scales
+    write_sample(tmp_path, 3, "s3", to_storage(states, "fp8"), torch.arange(37))
+    read = FP8Transfer(tmp_path, dequantize_dtype=torch.float32).get_cached(3)
+    assert set(read) == {"hidden_states", "token_ids"} and read["hidden_states"].dtype == torch.float32
+    assert torch.equal(read["hidden_states"], read_hidden_states(tmp_path / "hs_3.safetensors"))
+    scale = states.abs().amax(dim=(1, 2), keepdim=True) / torch.finfo(torch.float8_e4m3fn).max
+    error = (read["hidden_states"] - states).abs()
+    # normal fp8 values round within 2**-4 of themselves; subnormals within half their step
+    assert (error <= torch.maximum(states.abs() * 2**-4, scale * 2**-10) * 1.0001).all()
+
+
+def test_full_storage_keeps_the_journal_key_it_had_before_fp8():
+    full = ExtractionSettings("vllm", (2, 4, 8), "bfloat16", "fp")
+    before = hashlib.sha256(json.dumps({"backend": "vllm", "layer_ids": [2, 4, 8], "dtype": "bfloat16",
+                                        "target_fingerprint": "fp"}).encode()).hexdigest()[:16]  # fmt: skip
+    assert full.key() == ExtractionSettings("vllm", (2, 4, 8), "bfloat16", "fp", "full").key() == before
+    assert ExtractionSettings("vllm", (2, 4, 8), "bfloat16", "fp", "fp8").key() != before
 
 
 class ExtractorFails(RuntimeError):

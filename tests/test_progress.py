@@ -79,7 +79,7 @@ class Run:
             Sample(i, f"s{i}", torch.randint(0, 300, (n,), generator=generator).tolist())
             for i, n in enumerate(lengths)
         ]
-        plan = plan_extraction(samples, num_shards, num_shards, LAYER_IDS, HIDDEN, "float32")
+        plan = plan_extraction(samples, num_shards, num_shards, LAYER_IDS, HIDDEN, "float32", "full")
         write_json(run_dir / "hidden_states/plan.json", plan | {"disk": {}})
         return cls(run_dir / "hidden_states", samples, num_shards, target)
 
@@ -287,7 +287,7 @@ def test_later_stage_estimate_counts_the_demo_drafter(tmp_path):
     target = read_target_model(tmp_path / "target")
     assert drafter_parameters(target, num_aux=3, draft_vocab=128, num_layers=1) == (721_792, 312_192)
     run_dir = tmp_path / "results/demo"
-    write_json(run_dir / "hidden_states/plan.json", plan_extraction([], 1, 1, [2, 4, 5, 8], 128, "float32"))
+    write_json(run_dir / "hidden_states/plan.json", plan_extraction([], 1, 1, [2, 4, 5, 8], 128, "float32", "full"))
     config = tmp_path / "config.yaml"
     config.write_text(
         f"run: demo\ndevice: cpu\ntarget: {{path: {tmp_path / 'target'}}}\nvocab: {{draft_vocab_size: 128}}\n"

@@ -23,9 +23,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
 from safetensors.torch import load_file
 
 from draftflow.extract.vllm_connector import (
+    CPUFP8HiddenStatesConnector,
     CPUHiddenStatesConnector,
     save_atomically,
 )
@@ -59,9 +61,9 @@ def test_save_atomically_failure_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def _bare_connector(kv_cache: torch.Tensor, block_size: int):
+def _bare_connector(kv_cache: torch.Tensor, block_size: int, cls=CPUHiddenStatesConnector):
     """The worker-side state the write path uses, without a VllmConfig."""
-    conn = CPUHiddenStatesConnector.__new__(CPUHiddenStatesConnector)
+    conn = cls.__new__(cls)
     conn._connector_metadata = None
     conn._is_tp_rank_zero = True
     conn._kv_cache = kv_cache
@@ -73,11 +75,12 @@ def _bare_connector(kv_cache: torch.Tensor, block_size: int):
     return conn
 
 
-def test_worker_write_gathers_blocks_and_releases_lock(tmp_path):
+@pytest.mark.parametrize("cls", [CPUHiddenStatesConnector, CPUFP8HiddenStatesConnector])
+def test_worker_write_gathers_blocks_and_releases_lock(tmp_path, cls):
     num_blocks, n_ids, block_size, hidden = 6, 3, 4, 5
     # Layout indexed by extract_from_kv_cache: [blocks, n_ids, block, hidden].
     kv = torch.randn(num_blocks, n_ids, block_size, hidden)
-    conn = _bare_connector(kv, block_size)
+    conn = _bare_connector(kv, block_size, cls)
 
     filename = str(tmp_path / "store" / "req-1.safetensors")
     os.makedirs(os.path.dirname(filename))
@@ -96,8 +99,15 @@ def test_worker_write_gathers_blocks_and_releases_lock(tmp_path):
     # The file is complete, and the lock was released.
     data = load_file(filename)
     expected = torch.cat([kv[b].transpose(0, 1) for b in (4, 1, 3)])[:10]
+    if cls is CPUFP8HiddenStatesConnector:  # hs_connectors' fp8 format, as the GPU connector writes it
+        values, scales = quantize_tensor_to_fp8(expected)
+        assert data["hidden_states"].dtype == torch.float8_e4m3fn
+        assert torch.equal(data["hidden_states"].view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(data[SCALES_KEY], scales)
+    else:
+        assert data.keys() == {"hidden_states", "token_ids"}
+        assert torch.equal(data["hidden_states"], expected)
     assert data["hidden_states"].shape == (10, n_ids, hidden)
-    assert torch.equal(data["hidden_states"], expected)
     assert torch.equal(data["token_ids"], token_ids)
     with open(filename + ".lock") as lf:
         fcntl.flock(lf, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1,4 +1,5 @@
-"""Choose an extraction backend by name; both yield ``(sample, hidden_states)``."""
+"""Choose an extraction backend by name; both yield ``(sample, hidden_states)``
+(the vllm backend in fp8 storage yields them quantized by its connector)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def open_extractor(backend: str, target: str, layer_ids: list[int], options: dic
             layer_ids,
             server=options["server"],
             device=options["device"],
+            storage=options["storage"],
             concurrency=options["concurrency"],
             max_retries=options["max_retries"],
             server_log=server_log,

@@ -73,6 +73,16 @@ def not_checked(decision: FidelityDecision) -> dict:
     return {"checked": False, "reason": decision.reason, "passed": None}
 
 
+# float8_e4m3fn keeps 3 mantissa bits: rounding moves a value by at most 2**-4 of itself,
+# so at most 2**-4 of its layer slot's largest value, the scale the error is measured in.
+FP8_ROUNDING = 2**-4
+
+
+def fidelity_tolerance(dtype_tolerance: float, storage: str) -> float:
+    """The dtype's tolerance, plus fp8's rounding bound when the states are stored as fp8."""
+    return dtype_tolerance + (FP8_ROUNDING if storage == "fp8" else 0.0)
+
+
 def relative_errors(reference: torch.Tensor, other: torch.Tensor) -> list[float]:
     """Per layer slot: max |difference| over max |reference| ([seq, n_ids, hidden])."""
     difference = (other.float() - reference.float()).abs().amax(dim=(0, 2))

@@ -26,7 +26,8 @@ PROGRESS_JSON = "progress.json"
 FILE_PREFIX, FILE_SUFFIX = "hs_", ".safetensors"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TOKEN_ID_BYTES = 8  # int64
-HEADER_BYTES_MAX = 256  # safetensors' JSON header for the two tensors
+FP8_VALUE_BYTES, FP8_SCALE_BYTES = 1, 4  # float8_e4m3fn per value, float32 scale per token
+HEADER_BYTES_MAX = 320  # safetensors' JSON header for the two (fp8: three) tensors
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,12 @@ def temp_file(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-def hidden_state_bytes(tokens: int, num_layer_ids: int, hidden_size: int, dtype: str) -> int:
-    """One file's exact data bytes plus the header's upper bound."""
-    data = tokens * (num_layer_ids * hidden_size * DTYPE_BYTES[dtype] + TOKEN_ID_BYTES)
-    return data + HEADER_BYTES_MAX
+def hidden_state_bytes(tokens: int, num_layer_ids: int, hidden_size: int, dtype: str, storage: str) -> int:
+    """One file's exact data bytes plus the header's upper bound: the size of a run's
+    hidden states in either ``extract.storage`` (``dtype`` is the model's, for ``full``)."""
+    values = num_layer_ids * hidden_size
+    per_token = values * FP8_VALUE_BYTES + FP8_SCALE_BYTES if storage == "fp8" else values * DTYPE_BYTES[dtype]
+    return tokens * (per_token + TOKEN_ID_BYTES) + HEADER_BYTES_MAX
 
 
 def shard_dir(hs_dir: Path | str, shard: int | str) -> Path:

@@ -23,7 +23,7 @@ import torch
 from datasets import load_from_disk
 
 from draftflow.extract import layout
-from draftflow.extract.hidden_states import write_sample
+from draftflow.extract.hidden_states import Fp8States, to_storage, write_sample
 from draftflow.extract.layout import Sample, WrittenFile
 from draftflow.io import write_json
 
@@ -35,9 +35,13 @@ class ExtractionSettings:
     layer_ids: tuple[int, ...]
     dtype: str
     target_fingerprint: str
+    storage: str = "full"
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self)).encode()).hexdigest()[:16]
+        # Full storage keeps the key it had before fp8 existed: an upgrade must not
+        # re-extract shards whose files are still right.
+        fields = {k: v for k, v in asdict(self).items() if k != "storage" or v != "full"}
+        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
 
 
 def shard_of(sample_id: str, num_shards: int) -> int:
@@ -59,7 +63,7 @@ def shard_samples(samples: list[Sample], shard: int, num_shards: int) -> list[Sa
     return [s for s in samples if shard_of(s.sample_id, num_shards) == shard]
 
 
-Extractor = Callable[[list[Sample]], Iterator[tuple[Sample, torch.Tensor]]]
+Extractor = Callable[[list[Sample]], Iterator[tuple[Sample, torch.Tensor | Fp8States]]]
 
 
 class ShardJournal:
@@ -205,8 +209,7 @@ def run_shard(
             pending: deque[Future] = deque()
             try:
                 for sample, hidden_states in extract(todo):
-                    token_ids = torch.tensor(sample.token_ids, dtype=torch.int64)
-                    pending.append(pool.submit(write_sample, shard_dir, sample.index, sample.sample_id, hidden_states, token_ids))
+                    pending.append(pool.submit(write_stored, shard_dir, sample, hidden_states, settings.storage))
                     while pending and (pending[0].done() or len(pending) >= 2 * writers):
                         finish(pending.popleft())
             except BaseException:
@@ -285,6 +288,12 @@ def run_server(
     return manifests
 
 
+def write_stored(shard_dir: Path, sample: Sample, hidden_states: torch.Tensor | Fp8States, storage: str) -> WrittenFile:
+    """On a writer thread: quantized there for fp8, in parallel with the next samples."""
+    token_ids = torch.tensor(sample.token_ids, dtype=torch.int64)
+    return write_sample(shard_dir, sample.index, sample.sample_id, to_storage(hidden_states, storage), token_ids)
+
+
 def shard_manifest(
     shard: int,
     num_shards: int,
@@ -298,6 +307,7 @@ def shard_manifest(
         "num_shards": num_shards,
         "backend": settings.backend,
         "dtype": settings.dtype,
+        "storage": settings.storage,
         "layer_ids": list(settings.layer_ids),
         "hidden_size": hidden_size,
         "target": str(Path(target).resolve()),
@@ -334,6 +344,7 @@ def plan_extraction(
     layer_ids: list[int],
     hidden_size: int,
     dtype: str,
+    storage: str,
 ) -> dict:
     """Which sample goes to which shard and shard to which server job, and the
     exact bytes each shard writes."""
@@ -347,7 +358,7 @@ def plan_extraction(
     ]
     for shard in shards:
         shard["bytes"] = sum(
-            layout.hidden_state_bytes(tokens, len(layer_ids), hidden_size, dtype) for _, tokens in shard["samples"]
+            layout.hidden_state_bytes(tokens, len(layer_ids), hidden_size, dtype, storage) for _, tokens in shard["samples"]
         )
     return {
         "num_shards": num_shards,
@@ -355,6 +366,7 @@ def plan_extraction(
         "layer_ids": layer_ids,
         "hidden_size": hidden_size,
         "dtype": dtype,
+        "storage": storage,
         "samples": len(samples),
         "tokens": sum(len(s.token_ids) for s in samples),
         "bytes": sum(shard["bytes"] for shard in shards),

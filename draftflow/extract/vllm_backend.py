@@ -8,6 +8,7 @@ whole dataset's files into one directory).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import shutil
@@ -18,28 +19,35 @@ from pathlib import Path
 
 import openai
 import torch
+from hs_connectors import FP8Backend
 from safetensors.torch import load_file
 from speculators.data_generation.offline import check_hidden_states
 from speculators.data_generation.vllm_client import generate_hidden_states, wait_for_lock
 
+from draftflow.extract.hidden_states import Fp8States, payload_states
 from draftflow.extract.layout import Sample
 from draftflow.vllm_server import ServerGoneError, log_excerpt, vllm_server
 
-CPU_CONNECTOR = {
-    "kv_connector": "CPUHiddenStatesConnector",
-    "kv_connector_module_path": "draftflow.extract.vllm_connector",
-}
-GPU_CONNECTOR = {"kv_connector": "ExampleHiddenStatesConnector"}
+# The connector that writes each request's states: (device, extract.storage) -> its config;
+# on a GPU in fp8, hs_connectors' FP8HiddenStatesConnector as hs_connectors configures it.
+CPU_CONNECTOR_MODULE = "draftflow.extract.vllm_connector"  # the server imports it, not this process
+_FP8_GPU = FP8Backend.build_kv_transfer_config(argparse.Namespace(hidden_states_path=None))
+CONNECTORS = {
+    ("cpu", "full"): {"kv_connector": "CPUHiddenStatesConnector", "kv_connector_module_path": CPU_CONNECTOR_MODULE},
+    ("cpu", "fp8"): {"kv_connector": "CPUFP8HiddenStatesConnector", "kv_connector_module_path": CPU_CONNECTOR_MODULE},
+    ("cuda", "full"): {"kv_connector": "ExampleHiddenStatesConnector"},
+    ("cuda", "fp8"): {key: _FP8_GPU[key] for key in ("kv_connector", "kv_connector_module_path")},
+}  # fmt: skip
 
 
-def extraction_server_args(layer_ids: list[int], staging_dir: Path, device: str) -> list[str]:
+def extraction_server_args(layer_ids: list[int], staging_dir: Path, device: str, storage: str) -> list[str]:
     speculative = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
     }
     transfer = {
-        **(CPU_CONNECTOR if device == "cpu" else GPU_CONNECTOR),
+        **CONNECTORS[device, storage],
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(staging_dir)},
     }
@@ -61,7 +69,7 @@ class VllmExtractor:
         self.max_retries = max_retries
         self.server_log = server_log
 
-    def fetch(self, sample: Sample) -> tuple[Sample, torch.Tensor]:
+    def fetch(self, sample: Sample) -> tuple[Sample, torch.Tensor | Fp8States]:
         try:
             path, _ = generate_hidden_states(
                 self.client, self.model, {"input_ids": sample.token_ids}, max_retries=self.max_retries
@@ -77,8 +85,10 @@ class VllmExtractor:
             wait_for_lock(f"{path}.lock")
         payload = load_file(path)
         Path(path).unlink()
-        check_hidden_states(payload, sample.token_ids)
-        return sample, payload["hidden_states"]
+        states = payload_states(payload)
+        values = states.dequantized() if isinstance(states, Fp8States) else states  # the check reads values
+        check_hidden_states({**payload, "hidden_states": values}, sample.token_ids)
+        return sample, states
 
     def __call__(self, samples: list[Sample]) -> Iterator[tuple[Sample, torch.Tensor]]:
         """Keep ``concurrency`` requests in flight; yield results as they finish."""
@@ -99,12 +109,13 @@ def vllm_extractor(
     *,
     server: dict,
     device: str,
+    storage: str,
     concurrency: int,
     max_retries: int,
     server_log: Path,
 ) -> Iterator[VllmExtractor]:
     staging_dir = Path(tempfile.mkdtemp(prefix="draftflow-hs-"))
-    args = [*server["args"], *extraction_server_args(layer_ids, staging_dir, device)]
+    args = [*server["args"], *extraction_server_args(layer_ids, staging_dir, device, storage)]
     try:
         with vllm_server(model_path, log_path=server_log, **{**server, "args": args}) as url:
             yield VllmExtractor(url, model_path, concurrency, max_retries, server_log)

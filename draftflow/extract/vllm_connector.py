@@ -24,7 +24,9 @@ Use it from the vLLM command line with::
 
 (``draftflow`` must be importable by the server, e.g. via ``PYTHONPATH``.)
 The file holds ``hidden_states`` ``[seq, n_layer_ids, hidden]`` (model dtype)
-and ``token_ids`` ``[seq]`` (int64).
+and ``token_ids`` ``[seq]`` (int64). ``CPUFP8HiddenStatesConnector`` writes
+hs_connectors' fp8 format instead, as its ``FP8HiddenStatesConnector`` does on
+a GPU: ``hidden_states`` in float8_e4m3fn and ``hidden_states_scales``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import os
 from typing import Any
 
 import torch
+from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
 from safetensors.torch import save_file
 from vllm.logger import init_logger
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (  # noqa: E501
@@ -41,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-__all__ = ["CPUHiddenStatesConnector", "save_atomically"]
+__all__ = ["CPUFP8HiddenStatesConnector", "CPUHiddenStatesConnector", "save_atomically"]
 
 logger = init_logger(__name__)
 
@@ -107,7 +110,7 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
                 "hidden_states": hidden_states.to("cpu").contiguous(),
                 "token_ids": pending.token_ids.clone(),
             }
-            save_atomically(tensors, pending.filename)
+            save_atomically(self._stored(tensors), pending.filename)
         except Exception as exc:  # as the stock writer thread: log, keep serving
             logger.error(
                 "Hidden-states write failed for req_id=%s: %r", pending.req_id, exc
@@ -119,3 +122,16 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         # its "copy event" answers query() == True.
         done: Any = _CompletedCopy()
         self._req_copy_events[pending.req_id] = done
+
+    @staticmethod
+    def _stored(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return tensors
+
+
+class CPUFP8HiddenStatesConnector(CPUHiddenStatesConnector):
+    """The CPU connector writing hs_connectors' fp8 format (a CPU KV cache only)."""
+
+    @staticmethod
+    def _stored(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        values, scales = quantize_tensor_to_fp8(tensors["hidden_states"])
+        return {**tensors, "hidden_states": values, SCALES_KEY: scales}
