@@ -15,9 +15,9 @@ params = snakemake.params
 def check_fidelity(target: str) -> dict:
     plan = read_json(snakemake.input.plan)
     samples = load_samples(Path(snakemake.input.dataset))[: params.samples]
-    states = {}  # vllm's as stored (fp8 storage: quantized by its connector), dequantized
-    options = {**params.backend_options, "storage": plan["storage"]}
-    for backend in ("transformers", "vllm"):
+    states = {}  # transformers' in full precision; vllm's as stored (fp8: quantized by its connector)
+    for backend, storage in (("transformers", "full"), ("vllm", plan["storage"])):
+        options = {**params.backend_options, "storage": storage}
         with open_extractor(backend, target, plan["layer_ids"], options, Path(snakemake.log.server)) as extract:
             states[backend] = {sample.index: full_precision(hs) for sample, hs in extract(samples)}
     return compare(states["transformers"], states["vllm"], plan["layer_ids"], params.tolerance)

@@ -5,6 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftflow.extract.transformers_backend import TransformersExtractor, batches_by_token_budget
+from draftflow.extract.hidden_states import Fp8States, to_storage
 from draftflow.extract.layout import Sample
 
 LAYERS = 4
@@ -64,3 +65,17 @@ def test_stopping_early_and_removing_the_hooks(tiny_model):
     extractor.capture.remove()
     assert sum(len(layer._forward_hooks) for layer in tiny_model.model.layers) == hooks - 2
     assert not extractor.capture.captured
+
+
+def test_fp8_storage_quantizes_each_token_over_its_layers_before_handing_it_over(tiny_model):
+    """The batch is quantized where it was computed (on a GPU: before the copy to the host);
+    each sample gets the values and scales the writer would have made of its own states."""
+    batch = samples([40, 23, 7])
+    full = dict((s.index, states) for s, states in TransformersExtractor(tiny_model, [1, 3, LAYERS], 4 * 40, "cpu")(batch))
+    fp8 = dict((s.index, states) for s, states in
+               TransformersExtractor(tiny_model, [1, 3, LAYERS], 4 * 40, "cpu", storage="fp8")(batch))  # fmt: skip
+    for sample in batch:
+        expected = to_storage(full[sample.index], "fp8")
+        assert isinstance(fp8[sample.index], Fp8States) and fp8[sample.index].scales.shape == (len(sample.token_ids), 1, 1)
+        assert torch.equal(fp8[sample.index].values.view(torch.uint8), expected.values.view(torch.uint8))
+        assert torch.equal(fp8[sample.index].scales, expected.scales)

@@ -152,8 +152,8 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
 
 
 @contextmanager
-def extractor_of(model, layer_ids, token_budget, device, in_flight, holder: dict):
-    extractor = TransformersExtractor(model, layer_ids, token_budget, str(device), in_flight)
+def extractor_of(model, layer_ids, token_budget, device, in_flight, holder: dict, storage: str = "full"):
+    extractor = TransformersExtractor(model, layer_ids, token_budget, str(device), in_flight, storage=storage)
     holder["extractor"] = extractor
     try:
         yield extractor
@@ -293,18 +293,18 @@ def run_baseline(model, samples, layer_ids, device, directory: Path) -> dict:
 
 
 def run_backend(name, model, samples, layer_ids, args, device, directory: Path, token_budget: int | None = None,
-                shard: int = 0, marks: dict | None = None) -> dict:
+                shard: int = 0, marks: dict | None = None, storage: str = "full") -> dict:
     """``run_shard`` over ``samples`` into ``directory/shard-{shard}``, then ``os.sync()``;
     ``marks["written"]``: wall-clock time when run_shard returned (every file fsynced), before the sync."""
     token_budget = token_budget or args.token_budget
     holder: dict = {}
-    settings = ExtractionSettings("transformers", tuple(layer_ids), "bfloat16" if args.dtype == "bfloat16" else args.dtype, "bench")
+    settings = ExtractionSettings("transformers", tuple(layer_ids), args.dtype, "bench", storage)
     os.sync()
     sync_device(device)
     started = time.perf_counter()
     records = run_shard(
         samples, shard, directory / f"shard-{shard}", directory / f"shard-{shard}.heartbeat.json", settings,
-        lambda: extractor_of(model, layer_ids, token_budget, device, args.in_flight, holder), writers=args.writers,
+        lambda: extractor_of(model, layer_ids, token_budget, device, args.in_flight, holder, storage), writers=args.writers,
     )  # fmt: skip
     if marks is not None:
         marks["written"] = time.time()

@@ -21,6 +21,7 @@ def open_extractor(backend: str, target: str, layer_ids: list[int], options: dic
             token_budget=options["token_budget"],
             trust_remote_code=options["trust_remote_code"],
             compile_layers=options["compile"],
+            storage=options["storage"],
         )
     if backend == "vllm":
         from draftflow.extract.vllm_backend import vllm_extractor

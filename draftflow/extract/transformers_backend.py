@@ -41,6 +41,7 @@ from collections.abc import Iterator
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+from draftflow.extract.hidden_states import Fp8States, to_storage
 from draftflow.extract.layout import Sample
 from draftflow.target_model import read_target_model
 
@@ -100,11 +101,15 @@ class _Launched:
 
     __slots__ = ("batch", "lengths", "states", "copied")
 
-    def __init__(self, batch: list[Sample], lengths: list[int], states: torch.Tensor, copied):
+    def __init__(self, batch: list[Sample], lengths: list[int], states: list[torch.Tensor], copied):
         self.batch = batch
         self.lengths = lengths
-        self.states = states  # on the host once ``copied`` has completed
+        self.states = states  # [states] or fp8 [values, scales]; on the host once ``copied`` has completed
         self.copied = copied  # a CUDA event, or None on the CPU
+
+    def row(self, row: int) -> torch.Tensor | Fp8States:
+        views = [tensor[row, : self.lengths[row]] for tensor in self.states]
+        return Fp8States(*views) if len(views) == 2 else views[0]
 
 
 def load_target(model_path: str, **from_pretrained):
@@ -117,8 +122,11 @@ def load_target(model_path: str, **from_pretrained):
 
 
 class TransformersExtractor:
-    def __init__(self, model, layer_ids: list[int], token_budget: int, device: str, in_flight: int = 2):
+    def __init__(
+        self, model, layer_ids: list[int], token_budget: int, device: str, in_flight: int = 2, storage: str = "full"
+    ):
         self.decoder = model.get_decoder()
+        self.storage = storage  # fp8: quantized where the states are, before the copy to the host
         self.capture = LayerCapture(self.decoder, layer_ids)
         self.token_budget = token_budget
         self.device = torch.device(device)
@@ -138,19 +146,25 @@ class TransformersExtractor:
         states = self.capture.stacked()
         self.timings["batches"] += 1
         self.timings["padded_tokens"] += states.shape[0] * states.shape[1]
+        parts = [states]
+        if self.storage == "fp8":
+            stored = to_storage(states.flatten(0, 1), "fp8")  # one scale per token, over its layers
+            parts = [stored.values.view(states.shape), stored.scales.view(*states.shape[:2], 1, 1)]
         if not self.on_gpu:
-            return _Launched(batch, lengths, states, None)
-        host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
+            return _Launched(batch, lengths, parts, None)
+        hosts = [torch.empty(part.shape, dtype=part.dtype, pin_memory=True) for part in parts]
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            host.copy_(states, non_blocking=True)
+            for host, part in zip(hosts, parts, strict=True):
+                host.copy_(part, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self.copy_stream)
-        states.record_stream(self.copy_stream)  # the allocator keeps it until the copy is done
-        return _Launched(batch, lengths, host, copied)
+        for part in parts:
+            part.record_stream(self.copy_stream)  # the allocator keeps it until the copy is done
+        return _Launched(batch, lengths, hosts, copied)
 
     @torch.inference_mode()
-    def __call__(self, samples: list[Sample]) -> Iterator[tuple[Sample, torch.Tensor]]:
+    def __call__(self, samples: list[Sample]) -> Iterator[tuple[Sample, torch.Tensor | Fp8States]]:
         batches = batches_by_token_budget(samples, self.token_budget)
         launched: deque[_Launched] = deque()
         timings = self.timings
@@ -168,7 +182,7 @@ class TransformersExtractor:
                 timings["wait_gpu_s"] += time.perf_counter() - started
             for row, sample in enumerate(ready.batch):
                 handed = time.perf_counter()
-                yield sample, ready.states[row, : ready.lengths[row]]
+                yield sample, ready.row(row)
                 timings["consumer_s"] += time.perf_counter() - handed
             del ready
 
@@ -189,13 +203,14 @@ def transformers_extractor(
     token_budget: int,
     trust_remote_code: bool = False,
     compile_layers: bool = False,
+    storage: str = "full",
 ) -> Iterator[TransformersExtractor]:
     model = load_target(model_path, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code)
     model.to(device).eval()
     if compile_layers:
         compile_decoder_layers(model.get_decoder())
     try:
-        yield TransformersExtractor(model, layer_ids, token_budget, device)
+        yield TransformersExtractor(model, layer_ids, token_budget, device, storage=storage)
     finally:
         del model
         if torch.device(device).type == "cuda":
