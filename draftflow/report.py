@@ -9,6 +9,8 @@ from draftflow.io import atomic_path, read_json, write_text
 from draftflow.plots import pyplot, save_png
 
 COLUMNS = ("stage", "jobs", "seconds", "max_rss_mb", "cpu_seconds", "work", "throughput")
+COMPARED_FILES = {"extract": "hidden_states/manifest.json", "evaluation": "evaluation/evaluation.json",
+                  "served": "evaluation/served.json"}  # fmt: skip
 
 
 def read_benchmark(path: Path) -> dict:
@@ -105,6 +107,43 @@ def generation_lines(generated: dict) -> list[str]:
     return [summary] + [f"- **Warning (generate):** {warning}" for warning in generated["warnings"]]
 
 
+def storage_line(extracted: dict) -> str:
+    return (
+        f"- hidden states: {extracted['storage']} storage ({extracted['dtype']} model), "
+        f"{extracted['bytes'] / extracted['tokens']:,.1f} bytes per token, {extracted['bytes'] / 1e6:,.1f} MB "
+        f"in {extracted['samples']} files"
+    )
+
+
+def run_outcome(results: Path) -> dict:
+    """What the comparison table shows of a finished run: storage, bytes per token, acceptance."""
+    paths = {name: results / path for name, path in COMPARED_FILES.items()}
+    if missing := [str(path) for name, path in paths.items() if name != "served" and not path.exists()]:
+        raise FileNotFoundError(
+            f"report.compare_runs names {results.name}, but {', '.join(missing)} does not exist: "
+            "finish that run first (snakemake --configfile <its config>), or drop it from report.compare_runs."
+        )
+    served = read_json(paths["served"]) if paths["served"].exists() else None
+    return outcome(read_json(paths["extract"]), read_json(paths["evaluation"]), served)
+
+
+def outcome(extracted: dict, evaluation: dict, served: dict | None) -> dict:
+    return {"storage": extracted["storage"], "bytes_per_token": extracted["bytes"] / extracted["tokens"],
+            "samples": extracted["samples"], "offline": evaluation["trained"]["mean_acceptance_length"],
+            "served": served["mean_acceptance_length"] if served else None}  # fmt: skip
+
+
+def comparison_lines(run: str, this: dict, compared: dict[str, dict]) -> list[str]:
+    lines = ["## Compared runs", "", "| run | storage | bytes per token | samples | mean acceptance length (offline) | Δ | served | Δ |",
+             "|" + " --- |" * 8]  # fmt: skip
+    for name, outcome in {run: this, **compared}.items():
+        delta = lambda key: "" if outcome[key] is None or this[key] is None or name == run else f"{outcome[key] - this[key]:+.3f}"  # noqa: E731
+        served = "n/a" if outcome["served"] is None else f"{outcome['served']:.3f}"
+        lines.append(f"| {name} | {outcome['storage']} | {outcome['bytes_per_token']:,.1f} | {outcome['samples']} | "
+                     f"{outcome['offline']:.3f} | {delta('offline')} | {served} | {delta('served')} |")  # fmt: skip
+    return [*lines, ""]
+
+
 def fidelity_line(fidelity: dict) -> str:
     if not fidelity["checked"]:
         return f"- extraction fidelity (vLLM vs transformers): {fidelity['reason']}"
@@ -112,7 +151,7 @@ def fidelity_line(fidelity: dict) -> str:
     return f"- extraction fidelity (vLLM vs transformers, max relative error per layer): {errors}"
 
 
-def markdown(run: str, rows: list[dict], stats: dict) -> str:
+def markdown(run: str, rows: list[dict], stats: dict, compared: dict[str, dict]) -> str:
     coverage, evaluation, fidelity = stats["coverage"], stats["evaluation"], stats["fidelity"]
     lines = [f"# draftflow report: {run}", "", "## Stages", "", "| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(row[c]) for c in COLUMNS) + " |" for row in rows]
@@ -121,6 +160,7 @@ def markdown(run: str, rows: list[dict], stats: dict) -> str:
     lines += [
         f"- draft vocabulary: {100 * coverage['coverage']:.1f}% of loss-masked tokens covered at "
         f"K={coverage['draft_vocab_size']} (target vocabulary {coverage['target_vocab_size']})",
+        storage_line(stats["extract"]),
         fidelity_line(fidelity),
         "",
         "## Acceptance (held-out samples)",
@@ -136,13 +176,19 @@ def markdown(run: str, rows: list[dict], stats: dict) -> str:
         lines.append(f"| trained, served by vLLM | {served['mean_acceptance_length']:.3f} | {per_position} |")
     gate = evaluation["gate"]
     lines += ["", f"Gate: mean acceptance length ≥ {gate['min_acceptance_length']}: {'passed' if gate['passed'] else 'FAILED'}.", "", "![acceptance](../evaluation/acceptance.png)", ""]
+    if compared:
+        lines += comparison_lines(run, outcome(stats["extract"], evaluation, stats.get("served")), compared)
     return "\n".join(lines)
 
 
-def build_report(run: str, benchmarks: list[Path], stat_files: dict[str, Path], outputs: dict[str, Path]) -> None:
+def build_report(
+    run: str, benchmarks: list[Path], stat_files: dict[str, Path], outputs: dict[str, Path], compared_runs: dict[str, Path]
+) -> None:
+    """``compared_runs``: other runs' results folders, shown beside this run (report.compare_runs)."""
+    compared = {name: run_outcome(results) for name, results in compared_runs.items()}  # fails before writing
     stats = {name: read_json(path) for name, path in stat_files.items()}
     runtimes = gather_runtimes(benchmarks)
     rows = runtime_rows(runtimes, stage_work(stats, runtimes))
     write_runtimes_tsv(rows, outputs["runtimes"])
     plot_runtimes(rows, outputs["plot"])
-    write_text(outputs["markdown"], markdown(run, rows, stats))
+    write_text(outputs["markdown"], markdown(run, rows, stats, compared))

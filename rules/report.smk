@@ -52,5 +52,6 @@ rule report:
     params:
         code=code_version("report"),
         run=RUN,
+        compared={run: f"results/{run}" for run in config["report"]["compare_runs"]},
     script:
         "../scripts/report.py"

@@ -1,0 +1,90 @@
+"""extract.storage fp8 on the demo's own samples (issue 15): half the bytes, read by
+speculators' FP8Transfer, and the drafter trained on it beside the demo's (fp32 storage)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from datasets import load_from_disk
+from hs_connectors import FP8Transfer
+from safetensors.torch import load_file
+
+from draftflow.extract.fidelity import FP8_ROUNDING
+from draftflow.extract.hidden_states import safetensors_parts
+from draftflow.extract.layout import HEADER_BYTES_MAX, file_index
+from tests.conftest import demo_config, snakemake
+
+pytestmark = pytest.mark.slow
+SAME_SAMPLES = ("prompts", "synthetic", "prepared", "vocab", "drafter_untrained")
+
+
+@pytest.fixture(scope="module")
+def fp8_run(workdir, demo_run):
+    """The demo's prompts, answers, tokens, vocabulary and untrained drafter, copied;
+    extracted in fp8, trained, evaluated and served; its report compares it with the demo."""
+    results = workdir / "results/fp8"
+    for stage in SAME_SAMPLES:
+        shutil.copytree(demo_run / stage, results / stage)
+    snakemake(workdir, demo_config(run="fp8", extract={"storage": "fp8"}, report={"compare_runs": ["demo"]}))
+    return results
+
+
+def files(results):
+    summary = json.loads((results / "hidden_states/manifest.json").read_text())
+    for name in summary["shards"]:
+        for entry in json.loads((results / "hidden_states" / name).read_text())["files"]:
+            yield results / "hidden_states" / entry["file"], entry
+
+
+def test_fp8_files_take_at_most_52_percent_of_bf16_files_of_the_same_states(fp8_run):
+    summary = json.loads((fp8_run / "hidden_states/manifest.json").read_text())
+    assert summary["storage"] == "fp8"
+    slots, hidden = len(summary["layer_ids"]), summary["hidden_size"]
+    fp8 = bf16 = 0
+    for path, entry in files(fp8_run):
+        fp8 += path.stat().st_size
+        states = torch.zeros(entry["tokens"], slots, hidden, dtype=torch.bfloat16)
+        bf16 += sum(part.nbytes for part in safetensors_parts(states, torch.zeros(entry["tokens"], dtype=torch.int64)))
+    assert fp8 / bf16 <= 0.52
+    plan = json.loads((fp8_run / "hidden_states/plan.json").read_text())
+    assert 0 <= plan["bytes"] - fp8 <= summary["samples"] * HEADER_BYTES_MAX  # projected exactly, up to headers
+
+
+def test_speculators_fp8_transfer_reads_every_file(fp8_run):
+    dataset = load_from_disk(str(fp8_run / "prepared/dataset")).with_format(None)
+    count = 0
+    for path, entry in files(fp8_run):
+        read = FP8Transfer(path.parent, dequantize_dtype=torch.float32).get_cached(file_index(path.name))
+        assert set(read) == {"hidden_states", "token_ids"} and read["hidden_states"].dtype == torch.float32
+        assert read["token_ids"].tolist() == dataset[entry["index"]]["input_ids"]
+        count += 1
+    assert count == len(dataset)
+
+
+def test_fp8_states_are_the_demos_within_fp8_rounding_and_fidelity_says_so(fp8_run, demo_run):
+    """Same samples, same server: the fp8 files dequantize to the demo's fp32 files within 2**-4 of each
+    layer slot's largest value (what the fidelity check measures, with that bound added to its tolerance)."""
+    demo_files = {entry["index"]: path for path, entry in files(demo_run)}
+    for path, entry in list(files(fp8_run))[:20]:
+        read = FP8Transfer(path.parent, dequantize_dtype=torch.float32).get_cached(file_index(path.name))["hidden_states"]
+        full = load_file(demo_files[entry["index"]])["hidden_states"]
+        error = (read - full).abs().amax(dim=(0, 2)) / full.abs().amax(dim=(0, 2))
+        assert (error <= FP8_ROUNDING + 1e-4).all(), error
+    fidelity = json.loads((fp8_run / "fidelity/fidelity.json").read_text())
+    assert fidelity["passed"] and fidelity["tolerance"] == pytest.approx(1e-4 + FP8_ROUNDING)
+    assert 0.005 < max(fidelity["max_relative_error_per_layer"].values()) <= FP8_ROUNDING + 1e-4
+
+
+def test_the_drafter_trained_on_fp8_accepts_as_the_full_precision_one(fp8_run, demo_run):
+    results = {}
+    for name, run in (("fp8", fp8_run), ("full", demo_run)):
+        offline = json.loads((run / "evaluation/evaluation.json").read_text())["trained"]["mean_acceptance_length"]
+        served = json.loads((run / "evaluation/served.json").read_text())["mean_acceptance_length"]
+        results[name] = (offline, served)
+    print(results)
+    assert results["fp8"][0] == pytest.approx(results["full"][0], abs=0.05)
+    assert results["fp8"][1] == pytest.approx(results["full"][1], abs=0.05)
+    report = (fp8_run / "report/report.md").read_text()
+    assert "## Compared runs" in report and "| demo | full |" in report and "| fp8 | fp8 |" in report
+    assert "- hidden states: fp8 storage (float32 model)" in report
