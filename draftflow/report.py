@@ -128,7 +128,8 @@ def run_outcome(results: Path) -> dict:
 
 
 def outcome(extracted: dict, evaluation: dict, served: dict | None) -> dict:
-    return {"storage": extracted["storage"], "bytes_per_token": extracted["bytes"] / extracted["tokens"],
+    # runs extracted before extract.storage existed stored full precision
+    return {"storage": extracted.get("storage", "full"), "bytes_per_token": extracted["bytes"] / extracted["tokens"],
             "samples": extracted["samples"], "offline": evaluation["trained"]["mean_acceptance_length"],
             "served": served["mean_acceptance_length"] if served else None}  # fmt: skip
 

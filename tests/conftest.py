@@ -52,7 +52,7 @@ def snakemake(
 # so its module fixtures (a twin's run, a SLURM cluster) run once.
 DEMO_MODULES = {
     "test_data_stages", "test_extract_stage", "test_faults", "test_gates", "test_multi_turn", "test_plan",
-    "test_rebuilds", "test_resume_reproducibility", "test_server_faults", "test_train_evaluate_report",
+    "test_rebuilds", "test_resume_reproducibility", "test_server_faults", "test_train_evaluate_report", "test_storage_fp8",
 }  # fmt: skip
 
 
@@ -80,8 +80,16 @@ def workdir(tmp_path_factory) -> Path:
 
 # Whole runs that build on the demo and only finish much later: started in the background
 # as soon as the demo is done (when a collected test asks for them), they use the cores
-# the tests leave idle. Name of the fixture that waits for one -> its config.
-BACKGROUND_RUNS = {"second_demo_run": lambda: demo_config(run="again")}
+# the tests leave idle. Name of the fixture that waits for one -> its config, and the
+# demo's stages it starts from (copied).
+BACKGROUND_RUNS = {
+    "second_demo_run": (lambda: demo_config(run="again"), ()),
+    # the demo's samples in fp8 storage (issue 15), its report set beside the demo's
+    "fp8_run": (
+        lambda: demo_config(run="fp8", extract={"storage": "fp8"}, report={"compare_runs": ["demo"]}),
+        ("prompts", "synthetic", "prepared", "vocab", "drafter_untrained"),
+    ),
+}
 
 
 @pytest.fixture(scope="session")
@@ -89,8 +97,10 @@ def demo_run(workdir, request) -> Path:
     """The default demo, run for real; returns its results directory."""
     snakemake(workdir, demo_config())
     wanted = {name for item in request.session.items for name in item.fixturenames}
-    for name, config in BACKGROUND_RUNS.items():
+    for name, (config, stages) in BACKGROUND_RUNS.items():
         if name in wanted:
+            for stage in stages:
+                shutil.copytree(workdir / "results/demo" / stage, workdir / "results" / config()["run"] / stage)
             process = start_snakemake(workdir, config())
             request.config.stash.setdefault(BACKGROUND, {})[name] = process
             request.addfinalizer(lambda process=process: stop_group(process))
@@ -106,10 +116,17 @@ def second_demo_run(request, demo_run) -> Path:
     return background_run(request, "second_demo_run")
 
 
+@pytest.fixture(scope="session")
+def fp8_run(request, demo_run) -> Path:
+    """The demo's prompts, answers, tokens, vocabulary and untrained drafter, extracted in
+    fp8 storage, trained, evaluated and served; its report compares it with the demo."""
+    return background_run(request, "fp8_run")
+
+
 def background_run(request, name: str) -> Path:
     """Wait for the background run ``name`` (BACKGROUND_RUNS); its results directory."""
     process = request.config.stash[BACKGROUND][name]
-    workdir, run = Path(process.args[process.args.index("--directory") + 1]), BACKGROUND_RUNS[name]()["run"]
+    workdir, run = Path(process.args[process.args.index("--directory") + 1]), BACKGROUND_RUNS[name][0]()["run"]
     if process.wait():
         output = (workdir / f"snakemake-{run}.out").read_text()
         pytest.fail(f"the background run {name} failed ({process.returncode}):\n{output[-6000:]}")

@@ -1,8 +1,8 @@
-"""extract.storage fp8 on the demo's own samples (issue 15): half the bytes, read by
-speculators' FP8Transfer, and the drafter trained on it beside the demo's (fp32 storage)."""
+"""extract.storage fp8 on the demo's own samples (issue 15; the run: tests/conftest.py
+fp8_run): half the bytes, read by speculators' FP8Transfer, and the drafter trained on it
+beside the demo's (fp32 storage)."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -13,21 +13,8 @@ from safetensors.torch import load_file
 from draftflow.extract.fidelity import FP8_ROUNDING
 from draftflow.extract.hidden_states import safetensors_parts
 from draftflow.extract.layout import HEADER_BYTES_MAX, file_index
-from tests.conftest import demo_config, snakemake
 
 pytestmark = pytest.mark.slow
-SAME_SAMPLES = ("prompts", "synthetic", "prepared", "vocab", "drafter_untrained")
-
-
-@pytest.fixture(scope="module")
-def fp8_run(workdir, demo_run):
-    """The demo's prompts, answers, tokens, vocabulary and untrained drafter, copied;
-    extracted in fp8, trained, evaluated and served; its report compares it with the demo."""
-    results = workdir / "results/fp8"
-    for stage in SAME_SAMPLES:
-        shutil.copytree(demo_run / stage, results / stage)
-    snakemake(workdir, demo_config(run="fp8", extract={"storage": "fp8"}, report={"compare_runs": ["demo"]}))
-    return results
 
 
 def files(results):
