@@ -5,6 +5,7 @@
 #   bash bench/gpu/run_gpu.sh extract            # extraction (about 3 minutes on an H200, plus the install)
 #   bash bench/gpu/run_gpu.sh train              # training (about 4 minutes)
 #   bash bench/gpu/run_gpu.sh fp8                # extract.storage fp8 against bf16 (about 3 minutes; bench/gpu/fp8_bench.py)
+#   bash bench/gpu/run_gpu.sh fp8-train          # the Trainer on bf16 files, then on fp8 files (about 8 minutes)
 #   bash bench/gpu/run_gpu.sh workflow           # the demo workflow on the GPU (about 6 minutes; bench/gpu/workflow_gpu.sh)
 #   bash bench/gpu/run_gpu.sh multi              # two GPUs against one: extraction and training (about 9.5 minutes on 2 H200s:
 #                                                #   DEADLINE=585; multi-extract and multi-train run one half; bench/gpu/multi_bench.py)
@@ -75,6 +76,13 @@ for part in "${parts[@]}"; do
         ;;
     fp8)
         timeout "$(left ${FP8_TIMEOUT:-300})" python3 bench/gpu/fp8_bench.py --shape 8b --out "$OUT" 2>&1 | tee "$OUT/fp8.log" || status=1
+        ;;
+    fp8-train)
+        # speculators' Trainer (the workflow's flags: --hidden-states-backend fp8) on bf16 files, then on fp8 files
+        for storage in full fp8; do
+            timeout "$(left ${FP8_TRAIN_TIMEOUT:-260})" python3 bench/gpu/train_bench.py --shape 8b --out "$OUT" --storage $storage \
+                --trainer-steps 12 --warmup 3 --loops "" 2>&1 | tee "$OUT/train-$storage.log" || status=1
+        done
         ;;
     workflow)
         timeout "$(left ${WORKFLOW_TIMEOUT:-480})" bash bench/gpu/workflow_gpu.sh "$OUT" || status=1

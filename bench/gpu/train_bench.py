@@ -79,11 +79,12 @@ def make_verifier(shape: dict, directory: Path, device: str) -> None:
     save_file(tensors, str(directory / "model.safetensors"))
 
 
-def synthetic_hidden_states(directory: Path, count: int, mean_tokens: int, shape: dict, layer_ids: list[int]) -> list[dict]:
-    """Random hidden-state files in the workflow's format, when no extraction output is given."""
+def synthetic_hidden_states(directory: Path, count: int, mean_tokens: int, shape: dict, layer_ids: list[int],
+                            storage: str) -> list[dict]:  # fmt: skip
+    """Random hidden-state files in the workflow's format (``extract.storage``), when no extraction output is given."""
     from extract_bench import make_samples
 
-    from draftflow.extract.hidden_states import write_sample
+    from draftflow.extract.hidden_states import to_storage, write_sample
 
     from concurrent.futures import ThreadPoolExecutor
 
@@ -92,7 +93,7 @@ def synthetic_hidden_states(directory: Path, count: int, mean_tokens: int, shape
 
     def write(sample):
         states = torch.randn(len(sample.token_ids), len(layer_ids), shape["hidden_size"]).to(torch.bfloat16)
-        write_sample(directory, sample.index, sample.sample_id, states, torch.tensor(sample.token_ids))
+        write_sample(directory, sample.index, sample.sample_id, to_storage(states, storage), torch.tensor(sample.token_ids))
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(write, samples))
@@ -142,7 +143,7 @@ def init_drafter(verifier: Path, aux_layer_ids: list[int], vocab_dir: Path, atte
 
 
 def prepare(shape: dict, layer_ids: list[int], work: Path, hs_dir: Path | None, rows: list[dict] | None,
-            attention: str, device: str, synthetic_samples: int = 128) -> dict:
+            attention: str, device: str, storage: str = "full", synthetic_samples: int = 128) -> dict:
     """Verifier folder, hidden states (``hs_dir`` + ``rows``, else random ones), view, vocab map, untrained drafter."""
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
@@ -150,7 +151,7 @@ def prepare(shape: dict, layer_ids: list[int], work: Path, hs_dir: Path | None, 
     make_verifier(shape, verifier, device)
     if hs_dir is None:
         hs_dir = work / "hidden_states"
-        rows = synthetic_hidden_states(hs_dir, synthetic_samples, 2000 if shape["hidden_size"] >= 4096 else 300, shape, layer_ids)
+        rows = synthetic_hidden_states(hs_dir, synthetic_samples, 2000 if shape["hidden_size"] >= 4096 else 300, shape, layer_ids, storage)
     view = work / "view"
     data = build_view(hs_dir, rows, view)
     frequencies: dict[int, int] = {}
@@ -222,7 +223,7 @@ def run_trainer(init_dir: Path, verifier: Path, view: Path, work: Path, settings
         "--seed", str(settings.seed), "--save-path", str(work / "checkpoints"), "--data-path", str(view),
         "--epochs", "1", "--lr", str(settings.lr), "--weight-decay", str(settings.weight_decay),
         "--scheduler-warmup-steps", str(settings.warmup_steps), "--total-seq-len", str(settings.seq_length),
-        "--on-missing", "raise", "--train-data-ratio", "0.99",
+        "--on-missing", "raise", "--hidden-states-backend", "fp8", "--train-data-ratio", "0.99",
         "--max-steps", str(args.trainer_steps + args.warmup), "--log-freq", "1",
         "--num-workers", str(args.num_workers), "--log-dir", str(work / "logs"),
     ]  # fmt: skip
@@ -293,6 +294,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--hs-dir", type=Path, help="hidden-state files and samples.json (extract_bench.py --keep)")
+    parser.add_argument("--storage", choices=["full", "fp8"], default="full", help="extract.storage of the random files written without --hs-dir")
     parser.add_argument("--seq-length", type=int, default=8192)
     parser.add_argument("--trainer-steps", type=int, default=25, help="timed Trainer steps (0: skip the Trainer)")
     parser.add_argument("--loop-steps", type=int, default=8, help="timed steps of each loop variant")
@@ -316,18 +318,18 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "shape": {"name": args.shape, **shape}, "layer_ids": layer_ids, "seq_length": args.seq_length,
+                    "shape": {"name": args.shape, **shape}, "layer_ids": layer_ids, "seq_length": args.seq_length, "storage": args.storage,
                     "torch": torch.__version__}  # fmt: skip
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
-    save = lambda: (args.out / "train.json").write_text(json.dumps(report, indent=2))  # noqa: E731
+    save = lambda: (args.out / f"train{'' if args.storage == 'full' else '-fp8'}.json").write_text(json.dumps(report, indent=2))  # noqa: E731
 
     started = time.perf_counter()
     rows = None
     if args.hs_dir:
         hs_dir = args.hs_dir
         rows = json.loads((hs_dir.parent.parent / "samples.json").read_text()) if not (hs_dir / "samples.json").exists() else json.loads((hs_dir / "samples.json").read_text())
-    prepared = prepare(shape, layer_ids, args.work, args.hs_dir, rows, args.attention, args.device)
+    prepared = prepare(shape, layer_ids, args.work, args.hs_dir, rows, args.attention, args.device, args.storage)
     verifier, view, init_dir = prepared["verifier"], prepared["view"], prepared["init_dir"]
     report["data"], report["init_seconds"] = prepared["data"], prepared["init_seconds"]
     report["setup_seconds"] = time.perf_counter() - started
