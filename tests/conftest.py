@@ -7,8 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -80,99 +78,75 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("workflow")
 
 
-def finished_run(workdir: Path, config: dict, stages: tuple[str, ...] = ()) -> Path:
-    """``config`` run to the end, starting from these stages of the demo (copied)."""
-    for stage in stages:
-        shutil.copytree(workdir / "results/demo" / stage, workdir / "results" / config["run"] / stage)
-    snakemake(workdir, config)
-    return workdir / "results" / config["run"]
-
-
-def killed_twice_run(workdir: Path) -> tuple[Path, int]:
-    """The demo config under run ``repeat``, SIGKILLed during generation and during training,
-    then resumed; returns its results and how many answers the first kill left."""
-    config = demo_config(run="repeat")
-    results = workdir / "results/repeat"
-    partial = results / "synthetic/work/generated-????????????????.jsonl"  # not .errors.jsonl
-    kill_when(start_workflow(workdir, config), lambda: lines(partial) >= 40)
-    answered_before_kill = lines(partial)
-    checkpoint = results / "train/work/checkpoint.pt"
-    kill_when(start_workflow(workdir, config), checkpoint.exists)
-    snakemake(workdir, config, "--rerun-incomplete")
-    return results, answered_before_kill
-
-
-def start_workflow(workdir: Path, config: dict) -> subprocess.Popen:
-    config_path = workdir / f"config-{config['run']}.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    command = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
-               "--configfile", str(config_path), "--cores", "2", "--rerun-incomplete"]  # fmt: skip
-    return subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def kill_when(process: subprocess.Popen, ready, timeout_s: float = 900):
-    """SIGKILL the workflow's process group as soon as ``ready()`` holds."""
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        assert process.poll() is None, "the workflow ended before the moment to kill it"
-        assert time.monotonic() < deadline, "the moment to kill never came"
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    unlock = [*process.args[:-1], "--unlock"]  # a killed Snakemake leaves its lock
-    subprocess.run(unlock, check=True, capture_output=True)
-
-
-def lines(path_pattern: Path) -> int:
-    files = list(path_pattern.parent.glob(path_pattern.name))
-    return sum(1 for _ in files[0].open()) if files else 0
-
-
-# Whole runs that build on the demo and finish much later: started on threads as soon as
-# the demo is done (those a collected test asks for), they use the cores the tests leave
-# idle. Name of the fixture that waits for one -> what it runs.
+# Whole runs that build on the demo and only finish much later: started in the background
+# as soon as the demo is done (when a collected test asks for them), they use the cores
+# the tests leave idle. Name of the fixture that waits for one -> its config, and the
+# demo's stages it starts from (copied).
 BACKGROUND_RUNS = {
-    "second_demo_run": lambda workdir: finished_run(workdir, demo_config(run="again")),
+    "second_demo_run": (lambda: demo_config(run="again"), ()),
     # the demo's samples in fp8 storage (issue 15), its report set beside the demo's
-    "fp8_run": lambda workdir: finished_run(
-        workdir,
-        demo_config(run="fp8", extract={"storage": "fp8"}, report={"compare_runs": ["demo"]}),
+    "fp8_run": (
+        lambda: demo_config(run="fp8", extract={"storage": "fp8"}, report={"compare_runs": ["demo"]}),
         ("prompts", "synthetic", "prepared", "vocab", "drafter_untrained"),
     ),
-    "repeat_run": killed_twice_run,
 }
-BACKGROUND = pytest.StashKey[dict]()
 
 
 @pytest.fixture(scope="session")
 def demo_run(workdir, request) -> Path:
     """The default demo, run for real; returns its results directory."""
     snakemake(workdir, demo_config())
-    wanted = {name for item in request.session.items for name in item.fixturenames} & set(BACKGROUND_RUNS)
-    if wanted:
-        pool = ThreadPoolExecutor(len(wanted), thread_name_prefix="background-run")
-        request.config.stash[BACKGROUND] = {name: pool.submit(BACKGROUND_RUNS[name], workdir) for name in wanted}
-        request.addfinalizer(lambda: pool.shutdown(wait=True))
+    wanted = {name for item in request.session.items for name in item.fixturenames}
+    for name, (config, stages) in BACKGROUND_RUNS.items():
+        if name in wanted:
+            for stage in stages:
+                shutil.copytree(workdir / "results/demo" / stage, workdir / "results" / config()["run"] / stage)
+            process = start_snakemake(workdir, config())
+            request.config.stash.setdefault(BACKGROUND, {})[name] = process
+            request.addfinalizer(lambda process=process: stop_group(process))
     return workdir / "results/demo"
+
+
+BACKGROUND = pytest.StashKey[dict]()
 
 
 @pytest.fixture(scope="session")
 def second_demo_run(request, demo_run) -> Path:
     """The demo config again under another run name, uninterrupted."""
-    return request.config.stash[BACKGROUND]["second_demo_run"].result()
+    return background_run(request, "second_demo_run")
 
 
 @pytest.fixture(scope="session")
 def fp8_run(request, demo_run) -> Path:
     """The demo's prompts, answers, tokens, vocabulary and untrained drafter, extracted in
     fp8 storage, trained, evaluated and served; its report compares it with the demo."""
-    return request.config.stash[BACKGROUND]["fp8_run"].result()
+    return background_run(request, "fp8_run")
 
 
-@pytest.fixture(scope="session")
-def repeat_run(request, demo_run) -> tuple[Path, int]:
-    """The demo config killed during generation and during training, then resumed."""
-    return request.config.stash[BACKGROUND]["repeat_run"].result()
+def background_run(request, name: str) -> Path:
+    """Wait for the background run ``name`` (BACKGROUND_RUNS); its results directory."""
+    process = request.config.stash[BACKGROUND][name]
+    workdir, run = Path(process.args[process.args.index("--directory") + 1]), BACKGROUND_RUNS[name][0]()["run"]
+    if process.wait():
+        output = (workdir / f"snakemake-{run}.out").read_text()
+        pytest.fail(f"the background run {name} failed ({process.returncode}):\n{output[-6000:]}")
+    return workdir / "results" / run
+
+
+def start_snakemake(workdir: Path, config: dict) -> subprocess.Popen:
+    """The workflow in the background; its output in ``workdir/snakemake-<run>.out``."""
+    config_path = workdir / f"config-{config['run']}.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    command = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+               "--configfile", str(config_path), "--cores", "2"]  # fmt: skip
+    with (workdir / f"snakemake-{config['run']}.out").open("w") as output:
+        return subprocess.Popen(command, start_new_session=True, stdout=output, stderr=subprocess.STDOUT)
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def copy_demo_run(demo_run, workdir, *stages):
