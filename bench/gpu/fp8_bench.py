@@ -30,17 +30,11 @@ import torch
 from hs_connectors import FP8Transfer
 from safetensors.torch import load_file
 
+from draftflow.extract.fidelity import relative_errors
+from draftflow.extract.hidden_states import STORAGES
 from draftflow.extract.layout import hidden_state_bytes
 from draftflow.extract.transformers_backend import compile_decoder_layers
 from draftflow.layers import resolve_layer_ids
-
-STORAGES = ("full", "fp8")
-
-
-def relative_errors(reference: torch.Tensor, other: torch.Tensor) -> list[float]:
-    difference = (other.float() - reference.float()).abs().amax(dim=(0, 2))
-    return (difference / reference.float().abs().amax(dim=(0, 2)).clamp_min(1e-12)).tolist()
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
