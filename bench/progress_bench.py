@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from draftflow.extract import layout
 from draftflow.progress import Options, check
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,25 +54,29 @@ def write_file(path: Path, tokens: int, finished_at: float) -> int:
     return size
 
 
-def write_shard(hs_dir: Path, shard: int, samples: list[list[int]], done: int, ready: float) -> None:
-    shard_dir = hs_dir / f"shard-{shard}"
+def stand_in_digest(sample_id: str, tokens: int) -> str:
+    """A sample's token digest: the files hold no token ids (sparse), so a digest of stand-in ids."""
+    return layout.token_digest([int(sample_id.removeprefix("s")), tokens])
+
+
+def write_shard(hs_dir: Path, shard: int, samples: list[list], done: int, ready: float) -> None:
+    """``samples``: the plan's [sample_id, tokens, token_digest] triples; the first ``done`` are on disk."""
+    shard_dir = layout.shard_dir(hs_dir, shard)
     shard_dir.mkdir()
-    clock, records = ready, [{"settings_key": "bench"}]
-    for index, tokens in samples[:done]:
+    clock, lines = ready, [json.dumps({"settings_key": "bench"})]
+    for sample_id, tokens, digest in samples[:done]:
         clock += tokens * SECONDS_PER_TOKEN
-        size = write_file(shard_dir / f"hs_{index}.safetensors", tokens, clock)
-        records.append(
-            {"index": index, "sample_id": f"s{index}", "tokens": tokens, "bytes": size, "sha256": "-"}
-        )
-    (shard_dir / "journal.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+        size = write_file(shard_dir / layout.file_name(sample_id), tokens, clock)
+        lines.append(layout.journal_line(layout.WrittenFile(sample_id, digest, tokens, size, "-")))
+    layout.journal_path(shard_dir).write_text("\n".join(lines) + "\n")
     status = "done" if done == len(samples) else "running"
     loads_model = shard < RUNNING_SHARDS  # each server job loads for its first shard only
     heartbeat = {"shard": shard, "pid": os.getpid(), "status": status, "loads_model": loads_model,
                  "started_at": ready - (LOAD_S if loads_model else 0),
                  "model_ready_at": ready, "updated_at": clock}  # fmt: skip
-    (hs_dir / f"shard-{shard}.heartbeat.json").write_text(json.dumps(heartbeat))
+    layout.heartbeat_path(hs_dir, shard).write_text(json.dumps(heartbeat))
     if status == "done":
-        (hs_dir / f"shard-{shard}.json").write_text(json.dumps({"shard": shard, "samples": done}))
+        layout.shard_manifest_path(hs_dir, shard).write_text(json.dumps({"shard": shard, "samples": done}))
 
 
 def build(run_dir: Path, now: float) -> None:
@@ -81,21 +86,22 @@ def build(run_dir: Path, now: float) -> None:
     lengths = [min(8192, max(64, round(rng.lognormvariate(8.3, 0.6)))) for _ in range(SHARDS * PER_SHARD)]
     per_token = len(LAYER_IDS) * HIDDEN * BYTES_PER_VALUE + 8
     shards = [
-        {"shard": k, "server": k % RUNNING_SHARDS, "samples": [[i, lengths[i]] for i in range(k, len(lengths), SHARDS)]}
+        {"shard": k, "server": k % RUNNING_SHARDS,
+         "samples": [[f"s{i}", lengths[i], stand_in_digest(f"s{i}", lengths[i])] for i in range(k, len(lengths), SHARDS)]}
         for k in range(SHARDS)
-    ]
+    ]  # fmt: skip
     for shard in shards:
-        shard["bytes"] = sum(t * per_token + 256 for _, t in shard["samples"])
+        shard["bytes"] = sum(t * per_token + 256 for _, t, _ in shard["samples"])
     plan = {"num_shards": SHARDS, "servers": RUNNING_SHARDS, "layer_ids": LAYER_IDS, "hidden_size": HIDDEN, "dtype": "bfloat16",
             "samples": len(lengths), "tokens": sum(lengths), "bytes": sum(s["bytes"] for s in shards),
             "shards": shards, "disk": {}}  # fmt: skip
-    (hs_dir / "plan.json").write_text(json.dumps(plan))
-    wave_seconds = LOAD_S + 1.2 * max(sum(t for _, t in s["samples"]) for s in shards) * SECONDS_PER_TOKEN
+    (hs_dir / layout.PLAN).write_text(json.dumps(plan))
+    wave_seconds = LOAD_S + 1.2 * max(sum(t for _, t, _ in s["samples"]) for s in shards) * SECONDS_PER_TOKEN
     for shard in shards[:DONE_SHARDS]:  # waves of eight shards side by side: eight single-GPU server jobs
         waves_ago = DONE_SHARDS // RUNNING_SHARDS - shard["shard"] // RUNNING_SHARDS
         write_shard(hs_dir, shard["shard"], shard["samples"], PER_SHARD, now - waves_ago * wave_seconds)
     for shard in shards[DONE_SHARDS : DONE_SHARDS + RUNNING_SHARDS]:
-        busy = sum(t for _, t in shard["samples"][:RUNNING_DONE]) * SECONDS_PER_TOKEN
+        busy = sum(t for _, t, _ in shard["samples"][:RUNNING_DONE]) * SECONDS_PER_TOKEN
         write_shard(hs_dir, shard["shard"], shard["samples"], RUNNING_DONE, now - 5 - busy)
 
 
@@ -104,6 +110,7 @@ def write_config(scratch: Path) -> Path:
     (scratch / "target/config.json").write_text(json.dumps(TARGET))
     config = scratch / "config.yaml"
     config.write_text(f"run: bench\ndevice: cuda\ntarget: {{path: {scratch / 'target'}}}\n"
+                      f"data: {{prompt_files: [{scratch / 'prompts.jsonl'}]}}\n"  # the schema requires it; never read here
                       "vocab: {draft_vocab_size: 32000}\ntrain: {epochs: 5}\n")  # fmt: skip
     return config
 

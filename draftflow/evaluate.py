@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from draftflow.extract.hidden_states import read_hidden_states
-from draftflow.extract.layout import file_name
+from draftflow.extract.layout import view_file_name
 from draftflow.plots import pyplot, save_png
 from draftflow.target_model import TargetModel, read_target_model
 
@@ -113,7 +113,7 @@ def evaluate(drafter, head: TargetHead, view_dir: Path, samples: list[tuple[int,
     drafter.eval()
     all_lengths = []
     for row, token_ids, loss_mask in samples:
-        states = read_hidden_states(view_dir / "hidden_states" / file_name(row))
+        states = read_hidden_states(view_dir / "hidden_states" / view_file_name(row))
         ids = torch.tensor(token_ids)
         greedy = head.greedy(states[:, -1])
         drafts = draft_chains(drafter, ids, states[:, :-1], steps)

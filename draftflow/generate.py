@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from statistics import mean
 from speculators.data_generation.vllm_client import RETRY_BACKOFF_BASE
 from transformers import AutoTokenizer
 
+from draftflow.answers import as_asked, conversation_key, stored_rows, unasked
 from draftflow.auth_proxy import api_key_from_env, authenticating_proxy
 from draftflow.io import iter_jsonl, write_json, write_jsonl
 from draftflow.vllm_server import ServerGoneError, is_healthy, log_excerpt
@@ -130,8 +130,11 @@ def completion_ids(row: dict) -> list[int]:
 
 
 def generation_stats(
-    rows: list[dict], errors: list[dict], tokenizer, end_marker: str, seconds: float
+    rows: list[dict], errors: list[dict], tokenizer, end_marker: str, seconds: float, asked_now: set[str]
 ) -> dict:
+    """``asked_now``: the conversations this run asked (the others' answers were stored
+    by earlier runs); the throughput counts only theirs."""
+    generated_now = sum(row["loss_mask"].count(1) for row in rows if row["primary_id"] in asked_now)
     completions = [tokenizer.decode(completion_ids(row)) for row in rows]
     prompt_tokens = [row["loss_mask"].count(0) for row in rows]
     response_tokens = [row["loss_mask"].count(1) for row in rows]
@@ -145,8 +148,10 @@ def generation_stats(
         "mean_prompt_tokens": mean(prompt_tokens) if rows else 0.0,
         "mean_response_tokens": mean(response_tokens) if rows else 0.0,
         "response_tokens": sum(response_tokens),
+        "conversations_asked": len(asked_now & {row["primary_id"] for row in rows}),
+        "response_tokens_generated": generated_now,
         "wall_seconds": seconds,
-        "response_tokens_per_second": sum(response_tokens) / seconds if seconds else 0.0,
+        "response_tokens_per_second": generated_now / seconds if seconds else 0.0,
     }
 
 
@@ -190,47 +195,57 @@ def lost_turns_warnings(stats: dict, max_tokens: int) -> list[str]:
 
 
 def finish(
-    partial: Path,
+    store: Path,
     conversations: Path,
     tokenizer_dir: str,
     settings: GenerationSettings,
     seconds: float,
+    asked_now: set[str],
     endpoint: str,
     output: Path,
     errors_output: Path,
     stats_output: Path,
 ) -> dict:
-    """Write the rows sorted by id (completion order varies), errors and stats
-    (with the user turns lost to ``generate.max_tokens``, warned about in the log).
+    """Write the answers of ``conversations`` from the answer store, sorted by id
+    (completion order varies), their errors and stats (with the user turns lost
+    to ``generate.max_tokens``, warned about in the log); ``asked_now``: the ids
+    of the conversations this run asked.
 
     ``endpoint`` replaces the URL the client recorded in each row: a local
     server's port is random and would make reruns differ.
     """
-    rows = sorted(iter_jsonl(partial), key=lambda row: row["id"])
+    asked = list(iter_jsonl(conversations))
+    rows = sorted(stored_rows(store, asked), key=lambda row: row["id"])
     for row in rows:
         row["metadata"]["endpoint"] = endpoint
     if not rows:
         raise RuntimeError(
-            f"No conversation was answered; see {errors_path(partial)} for why."
+            f"No conversation was answered; see {errors_path(store)} for why."
         )
-    errors = unresolved_errors(errors_path(partial), {row["primary_id"] for row in rows})
+    errors = unresolved_errors(errors_path(store), asked, {row["primary_id"] for row in rows})
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    stats = generation_stats(rows, errors, tokenizer, settings.reasoning_end_marker, seconds)
-    stats |= lost_turn_stats(list(iter_jsonl(conversations)), rows)
+    stats = generation_stats(rows, errors, tokenizer, settings.reasoning_end_marker, seconds, asked_now)
+    stats |= lost_turn_stats(asked, rows)
     stats["warnings"] = lost_turns_warnings(stats, settings.max_tokens)
     for warning in stats["warnings"]:
         print(f"WARNING: {warning}")
     write_jsonl(errors_output, errors)
     write_json(stats_output, stats)
-    check_error_rate(stats, settings.max_error_fraction, errors_path(partial))
+    check_error_rate(stats, settings.max_error_fraction, errors_path(store))
     write_jsonl(output, rows)
     return stats
 
 
-def unresolved_errors(path: Path, answered: set[str]) -> list[dict]:
-    """The latest error of each conversation that no (re)run answered since."""
+def unresolved_errors(path: Path, conversations: list[dict], answered: set[str]) -> list[dict]:
+    """The latest error of each of ``conversations`` that no (re)run answered since,
+    under the conversation's id."""
     latest = {row["id"]: row for row in iter_jsonl(path)} if path.exists() else {}
-    return [row for conversation, row in sorted(latest.items()) if conversation not in answered]
+    errors = []  # keyed by conversation_key, as the client was asked
+    for position, conversation in enumerate(conversations):
+        error = latest.get(conversation_key(conversation))
+        if error is not None and conversation["id"] not in answered:
+            errors.append(as_asked(error, conversation["id"], position))
+    return sorted(errors, key=lambda row: row["id"])
 
 
 def check_error_rate(stats: dict, max_fraction: float, errors_file: Path) -> None:
@@ -250,19 +265,26 @@ def timed(function, *args) -> float:
     return time.monotonic() - start
 
 
-def work_file(
-    work_dir: Path, conversations: Path, target: str, settings: GenerationSettings
-) -> Path:
-    """The resumable partial output, keyed by everything that shapes its rows.
-
-    It is not a declared output, so Snakemake keeps it when the job fails; a
-    change of prompts, target or settings starts a fresh file.
-    """
-    key = hashlib.sha256()
-    key.update(conversations.read_bytes())
-    shaping = [settings.max_tokens, settings.temperature, settings.seed]
-    key.update(json.dumps([str(Path(target).resolve()), *shaping]).encode())
-    return work_dir / f"generated-{key.hexdigest()[:16]}.jsonl"
+def ask_unanswered(
+    conversations: Path,
+    store: Path,
+    settings: GenerationSettings,
+    endpoint: Callable[[], AbstractContextManager[str]],
+    server_log: Path | None,
+) -> tuple[float, set[str]]:
+    """Ask the target only the conversations the store lacks (starting no server
+    when there are none); the seconds generation took and the ids it asked."""
+    asked = list(iter_jsonl(conversations))
+    todo = unasked(asked, store)
+    print(f"{len(asked)} conversations: {len(asked) - len(todo)} answered before (in {store.name}), {len(todo)} to ask")
+    if not todo:
+        return 0.0, set()
+    questions = store.with_name(f"{store.stem}.asking.jsonl")
+    write_jsonl(questions, todo)
+    keys = {question["id"] for question in todo}
+    with endpoint() as url:
+        seconds = timed(regenerate, url, questions, store, settings, server_log)
+    return seconds, {conversation["id"] for conversation in asked if conversation_key(conversation) in keys}
 
 
 @contextlib.contextmanager

@@ -4,9 +4,15 @@
 
 Per stage: jobs, GPUs per job, model loads, bytes written, wall time and
 GPU-hours; totals and the disk the run fills against the free space, with
-warnings. Token counts are exact once ``prepare`` ran (its stats), estimated
-before from what ``generate`` measured or from the prompts and
-``generate.max_tokens``. Rates come from an earlier run (its ``benchmarks/``
+warnings. The config's samples come from its prompts, read as the prompts
+stage reads them; their tokens are exact for the conversations an earlier run
+of the folder answered with the same target and settings (the answer store),
+estimated for the rest from those answers, or from the prompts and
+``generate.max_tokens``. Generation is planned for the conversations not
+answered before, extraction for the samples whose hidden-state files no shard
+journal vouches for: an edit is planned as the rerun it causes. Where the
+prompt files cannot be read (a plan made away from the data), counts come
+from the stage outputs' stats. Rates come from an earlier run (its ``benchmarks/``
 and stage outputs), a rates file (the fields of :class:`Rates`) or
 :data:`DEFAULT_RATES`. Standard library and PyYAML only.
 
@@ -26,13 +32,28 @@ from pathlib import Path
 
 import yaml
 
+from draftflow.answers import (
+    answer_store,
+    conversation_key,
+    stored_answers,
+    stored_rows,
+)
 from draftflow.config import load_config
-from draftflow.costs import hidden_states_bytes, later_stage_bytes, tree_bytes, vocab_map_bytes
+from draftflow.costs import (
+    hidden_states_bytes,
+    later_stage_bytes,
+    tree_bytes,
+    vocab_map_bytes,
+)
 from draftflow.extract import layout
 from draftflow.extract.fidelity import decide_for_config
+from draftflow.extract.layout import ExtractionSettings, Sample
+from draftflow.fingerprint import target_fingerprint
 from draftflow.gpus import concurrent_servers, local_gpu_count, server_gpus
 from draftflow.io import read_json, write_text
 from draftflow.layers import resolve_layer_ids
+from draftflow.prepared_rows import PrepareStats, prepared_token_ids, select_rows
+from draftflow.prompts import select_prompts
 from draftflow.report import read_benchmark
 from draftflow.target_model import TargetModel, read_target_model
 from draftflow.target_source import resolve_target
@@ -92,6 +113,8 @@ class Stage:
     seconds: float  # the stage's wall time
     gpu_hours: float
     load_seconds: float  # of ``seconds``, spent loading models
+    reused: int | None = None  # generate: conversations answered before; extract_server: samples extracted before
+    computed: int | None = None  # ... and those this run asks or extracts
 
 
 @dataclass(frozen=True)
@@ -131,7 +154,7 @@ def rates_from_run(run_dir: Path) -> Rates:
     return Rates(
         source=f"measured by {run_dir}",
         model_load_s=load,
-        generate_tokens_per_s=generated["response_tokens"] / max(seconds["generate"] - load, 1e-9),
+        generate_tokens_per_s=generated_tokens(generated) / max(seconds["generate"] - load, 1e-9),
         prepare_tokens_per_s=prepared["tokens"] / seconds["prepare"],
         extract_tokens_per_s=extracted["tokens"] / max(sum(servers) - len(loads or servers) * load, 1e-9),
         train_tokens_per_s=prepared["tokens"] * trained["epochs"] / seconds["train"] / max(1, trained["gpus"]),
@@ -141,6 +164,12 @@ def rates_from_run(run_dir: Path) -> Rates:
         response_tokens=generated["mean_response_tokens"],
         prompt_tokens=generated["mean_prompt_tokens"],
     )
+
+
+def generated_tokens(stats: dict) -> int:
+    """The response tokens the run's own generation produced: the answers it asked,
+    not those it found stored (all of them in a run made before the answer store)."""
+    return stats.get("response_tokens_generated") or stats["response_tokens"]
 
 
 def load_rates(source: Path | None, device: str) -> Rates:
@@ -158,6 +187,11 @@ def load_rates(source: Path | None, device: str) -> Rates:
 # -- work -------------------------------------------------------------------------
 
 
+def message_chars(row: dict) -> int:
+    turns = row.get("messages") or row.get("conversations") or []
+    return sum(len(str(turn.get("content") or turn.get("value") or "")) for turn in turns)
+
+
 def prompt_chars(path: Path) -> tuple[int, int]:
     """(conversations, characters of their messages) of a prompts file."""
     count = chars = 0
@@ -165,19 +199,18 @@ def prompt_chars(path: Path) -> tuple[int, int]:
         for line in stream:
             if line.strip():
                 count += 1
-                row = json.loads(line)
-                turns = row.get("messages") or row.get("conversations") or []
-                chars += sum(len(str(turn.get("content") or turn.get("value") or "")) for turn in turns)
+                chars += message_chars(json.loads(line))
     return count, chars
 
 
-def token_counts(config: dict, run_dir: Path, rates: Rates) -> dict:
-    """Samples and tokens: exact after prepare, else the best estimate the run allows."""
+def work_from_stats(config: dict, run_dir: Path, rates: Rates) -> dict:
+    """Samples and tokens from the outputs' stats, all of them to compute: exact after
+    prepare, else the best estimate the run allows."""
     prepared = run_dir / "prepared/stats.json"
     if prepared.exists():
         stats = read_json(prepared)
-        return {"samples": stats["kept"], "tokens": stats["tokens"], "response_tokens": stats["supervised_tokens"],
-                "source": "exact: prepare's token counts"}  # fmt: skip
+        return all_to_compute({"samples": stats["kept"], "tokens": stats["tokens"], "response_tokens": stats["supervised_tokens"],
+                               "source": "exact: prepare's token counts"})  # fmt: skip
     samples = config["data"]["num_samples"]
     generated = run_dir / "synthetic/stats.json"
     if generated.exists():
@@ -193,13 +226,76 @@ def token_counts(config: dict, run_dir: Path, rates: Rates) -> dict:
             rows, chars = sum(c for c, _ in counts), sum(c for _, c in counts)
             prompt = chars / max(rows, 1) / CHARS_PER_TOKEN
             samples = min(samples, rows) if samples else rows
-        response = rates.response_tokens if rates.response_tokens is not None else config["generate"]["max_tokens"]
-        source = "estimated: prompt lengths and " + (
-            "the earlier run's answers" if rates.response_tokens is not None else "generate.max_tokens (an upper bound)"
-        )
+        response, source = response_estimate(config, rates)
     per_sample = min(prompt + response, config["prepare"]["max_seq_length"])
-    return {"samples": samples, "tokens": round(samples * per_sample), "response_tokens": round(samples * response),
-            "source": source}  # fmt: skip
+    return all_to_compute({"samples": samples, "tokens": round(samples * per_sample),
+                           "response_tokens": round(samples * response), "source": source})  # fmt: skip
+
+
+def response_estimate(config: dict, rates: Rates) -> tuple[float, str]:
+    if rates.response_tokens is not None:
+        return rates.response_tokens, "estimated: prompt lengths and the earlier run's answers"
+    return config["generate"]["max_tokens"], "estimated: prompt lengths and generate.max_tokens (an upper bound)"
+
+
+def all_to_compute(work: dict) -> dict:
+    return work | {"conversations": work["samples"], "answered_before": 0, "to_ask": work["samples"],
+                   "response_tokens_to_generate": work["response_tokens"], "extracted_before": 0,
+                   "to_extract": work["samples"], "tokens_to_extract": work["tokens"]}  # fmt: skip
+
+
+def token_counts(config: dict, run_dir: Path, rates: Rates, target_dir: Path, layer_ids: list[int]) -> dict:
+    """The config's samples and tokens, and of them the work earlier runs of the folder left
+    that this run keeps: answers (the answer store) and hidden-state files (the shard journals)."""
+    prompt_files = [run_dir.parents[1] / path for path in config["data"]["prompt_files"]]
+    if not all(path.exists() for path in prompt_files):
+        return work_from_stats(config, run_dir, rates)
+    data, generate, prepare = config["data"], config["generate"], config["prepare"]
+    conversations, _ = select_prompts(prompt_files, data["num_samples"], config["seed"], data["on_bad_row"])
+    store = answer_store(run_dir / "synthetic/work", target_dir, generate["max_tokens"], generate["temperature"], config["seed"])
+    answered = set(stored_answers(store))
+    new = [c for c in conversations if conversation_key(c) not in answered]
+    rows = stored_rows(store, conversations)
+    max_length = prepare["max_seq_length"]
+    kept = select_rows(rows, max_length, prepare["minimum_valid_tokens"], prepare["on_too_long"], PrepareStats())
+    known = [Sample(row, r["id"], prepared_token_ids(r, max_length)) for row, r in enumerate(kept)]
+    if rows:
+        response = sum(sum(r["loss_mask"]) for r in rows) / len(rows)
+        source = f"exact for the {len(known)} samples answered before" + (
+            f"; {len(new)} new conversations estimated from their answers" if new else ""
+        )
+    else:
+        response, source = response_estimate(config, rates)
+    new_tokens = [min(message_chars(c) / CHARS_PER_TOKEN + response, max_length) for c in new]
+    settings = ExtractionSettings(config["extract"]["backend"], tuple(layer_ids), config["target"]["dtype"],
+                                  target_fingerprint(target_dir), config["extract"]["storage"])  # fmt: skip
+    reused = extracted_before(run_dir / "hidden_states", settings, known, config["extract"]["shards"])
+    tokens = sum(len(s.token_ids) for s in known)
+    return {
+        "samples": len(known) + len(new),
+        "tokens": tokens + round(sum(new_tokens)),
+        "response_tokens": sum(sum(r["loss_mask"][:max_length]) for r in kept) + round(len(new) * response),
+        "source": source,
+        "conversations": len(conversations),
+        "answered_before": len(conversations) - len(new),
+        "to_ask": len(new),
+        "response_tokens_to_generate": round(len(new) * response),
+        "extracted_before": len(reused),
+        "to_extract": len(known) + len(new) - len(reused),
+        "tokens_to_extract": tokens - sum(len(s.token_ids) for s in known if s.sample_id in reused) + round(sum(new_tokens)),
+    }
+
+
+def extracted_before(hs_dir: Path, settings: ExtractionSettings, samples: list[Sample], num_shards: int) -> set[str]:
+    """The samples whose hidden-state files a shard journal vouches for (layout.vouched_files)."""
+    by_shard: dict[int, list[Sample]] = {}
+    for sample in samples:
+        by_shard.setdefault(layout.shard_of(sample.sample_id, num_shards), []).append(sample)
+    return {
+        sample_id
+        for shard, members in by_shard.items()
+        for sample_id in layout.vouched_files(layout.shard_dir(hs_dir, shard), settings.key(), members)
+    }
 
 
 # -- the plan -----------------------------------------------------------------------
@@ -217,26 +313,32 @@ def plan_stages(config: dict, target: TargetModel, num_layer_ids: int, work: dic
     )
     measured = lambda name: rates.stage_seconds.get(name, 0.0)  # noqa: E731
     load = rates.model_load_s
-    per_server = load + tokens / servers / rates.extract_tokens_per_s
+    extract_loads = servers if work["to_extract"] else 0  # a server job with nothing to extract loads nothing
+    per_server = (load if extract_loads else 0.0) + work["tokens_to_extract"] / servers / rates.extract_tokens_per_s
     extract_wall = math.ceil(servers / at_once) * per_server
+    starts_server = bool(work["to_ask"]) and not config["generate"]["endpoint"]  # nothing to ask: no server starts
+    generate_load = load if starts_server else 0.0
     train_gpus = config["train"]["gpus"] if config["device"] == "cuda" else 0
     serve = config["evaluate"]["serve_check"]
 
-    def stage(name, jobs, gpus_per_job, loads, written, seconds, gpu_seconds=None, load_seconds=0.0) -> Stage:
+    def stage(name, jobs, gpus_per_job, loads, written, seconds, gpu_seconds=None, load_seconds=0.0, reuse=(None, None)) -> Stage:
         gpu_seconds = seconds * gpus_per_job * jobs if gpu_seconds is None else gpu_seconds
-        return Stage(name, jobs, gpus_per_job, loads, int(written), seconds, gpu_seconds / 3600, load_seconds)
+        return Stage(name, jobs, gpus_per_job, loads, int(written), seconds, gpu_seconds / 3600, load_seconds, *reuse)
 
     stages = [
         stage("prompts", 1, 0, 0, existing_or(run_dir / "prompts", 0), measured("prompts")),
-        stage("generate", 1, gpus, 1, existing_or(run_dir / "synthetic", rates.generated_bytes_per_token * tokens),
-              load + work["response_tokens"] / rates.generate_tokens_per_s, load_seconds=load),
+        stage("generate", 1, 0 if config["generate"]["endpoint"] else gpus, int(starts_server),
+              existing_or(run_dir / "synthetic", rates.generated_bytes_per_token * tokens),
+              generate_load + work["response_tokens_to_generate"] / rates.generate_tokens_per_s,
+              load_seconds=generate_load, reuse=(work["answered_before"], work["to_ask"])),
         stage("prepare", 1, 0, 0, existing_or(run_dir / "prepared", rates.prepared_bytes_per_token * tokens),
               tokens / rates.prepare_tokens_per_s),
         stage("vocab_map", 1, 0, 0, vocab_map_bytes(target.vocab_size, config["vocab"]["draft_vocab_size"]),
               measured("vocab_map")),
         stage("extract_plan", 1, 0, 0, 0, measured("extract_plan")),
-        stage("extract_server", servers, gpus, servers, hidden_bytes, extract_wall,
-              gpu_seconds=servers * gpus * per_server, load_seconds=math.ceil(servers / at_once) * load),
+        stage("extract_server", servers, gpus, extract_loads, hidden_bytes, extract_wall,
+              gpu_seconds=servers * gpus * per_server, load_seconds=math.ceil(servers / at_once) * load * bool(extract_loads),
+              reuse=(work["extracted_before"], work["to_extract"])),
         stage("extract", 1, 0, 0, 0, measured("extract")),
         stage("fidelity", 1, gpus if fidelity else 0, 2 if fidelity else 0, 0, measured("fidelity") if fidelity else 0.0),
         stage("drafter_init", 1, 0, 0, later["untrained drafter"], measured("drafter_init")),
@@ -260,8 +362,9 @@ def build_plan(config: dict, run_dir: Path, rates: Rates, free_bytes: int | None
     in_workdir = run_dir.parents[1] / config["target"]["path"]  # results/<run> sits in the working directory
     target = read_target_model(in_workdir if in_workdir.is_dir() else resolve_target(config["target"]["path"]).folder)
     fidelity = decide_for_config(config, target.weight_bytes).check
-    work = token_counts(config, run_dir, rates)
-    num_layer_ids = len(resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers))
+    layer_ids = resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
+    num_layer_ids = len(layer_ids)
+    work = token_counts(config, run_dir, rates, target.folder, layer_ids)
     views = round(rates.prepared_bytes_per_token * work["tokens"])
     later, at_peak = (later_stage_bytes(config, target, num_layer_ids, views, peak=peak) for peak in (False, True))
     stages = plan_stages(config, target, num_layer_ids, work, later, rates, run_dir, local_gpus, fidelity)
@@ -342,7 +445,9 @@ def write_plan(config: dict, target: Path, run_dir: Path, local_gpus: int | None
 def render_markdown(plan: Plan) -> str:
     rows = [
         f"| {s.name} | {s.jobs} | {s.gpus_per_job} | {s.model_loads} | {fmt_bytes(s.bytes_written)} | "
-        f"{fmt_duration(s.seconds)} | {s.gpu_hours:,.2f} |"
+        f"{fmt_duration(s.seconds)} | {s.gpu_hours:,.2f} | "
+        + ("" if s.reused is None else f"{s.reused:,} / {s.computed:,}")
+        + " |"
         for s in plan.stages
     ]
     lines = [
@@ -351,12 +456,14 @@ def render_markdown(plan: Plan) -> str:
         f"{plan.tokens['samples']:,} samples, {plan.tokens['tokens']:,} tokens ({plan.tokens['source']}); "
         f"rates: {plan.rates}.",
         "",
-        "| stage | jobs | GPUs per job | model loads | bytes written | wall time | GPU-hours |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| stage | jobs | GPUs per job | model loads | bytes written | wall time | GPU-hours | kept / computed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
         f"| **total** | {sum(s.jobs for s in plan.stages)} | | {sum(s.model_loads for s in plan.stages)} | "
-        f"{fmt_bytes(plan.total_bytes)} | {fmt_duration(plan.total_seconds)} | {plan.total_gpu_hours:,.2f} |",
+        f"{fmt_bytes(plan.total_bytes)} | {fmt_duration(plan.total_seconds)} | {plan.total_gpu_hours:,.2f} | |",
         "",
+        "kept / computed: conversations answered by an earlier run / asked now (generate); samples whose "
+        "hidden-state files are kept / extracted now (extract_server).",
         f"Disk: up to {fmt_bytes(plan.peak_bytes)} at the peak (training replaces its checkpoint), "
         f"{fmt_bytes(plan.free_bytes)} free ({plan.free_source}): "
         + ("fits." if plan.exit_code == FITS else "**will not fit**."),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from datasets import Dataset
@@ -12,17 +12,7 @@ from speculators.train.vocab_mapping import save_token_frequency_distribution
 from transformers import AutoTokenizer
 
 from draftflow.io import atomic_path, iter_jsonl, write_json
-
-
-@dataclass
-class PrepareStats:
-    rows_in: int = 0
-    kept: int = 0
-    truncated: int = 0
-    dropped_too_long: int = 0
-    dropped_too_few_supervised_tokens: int = 0
-    tokens: int = 0
-    supervised_tokens: int = 0
+from draftflow.prepared_rows import PrepareStats, select_rows
 
 
 def check_token_ids(row: dict, vocab_size: int, source: Path) -> None:
@@ -57,28 +47,6 @@ def check_assistant_span(tokenizer, target: str) -> None:
 def chat_template_file(target: str) -> Path:
     jinja = Path(target) / "chat_template.jinja"
     return jinja if jinja.exists() else Path(target) / "tokenizer_config.json"
-
-
-def select_rows(
-    rows: list[dict], max_length: int, minimum_valid_tokens: int, on_too_long: str, stats: PrepareStats
-) -> list[dict]:
-    """Rows that fit ``max_length`` (or are truncated to it, per ``on_too_long``)
-    and keep at least ``minimum_valid_tokens`` supervised tokens."""
-    kept = []
-    for row in rows:
-        if on_too_long == "drop" and len(row["input_ids"]) > max_length:
-            stats.dropped_too_long += 1
-            continue
-        supervised = sum(row["loss_mask"][:max_length])
-        if supervised < minimum_valid_tokens:
-            stats.dropped_too_few_supervised_tokens += 1
-            continue
-        stats.truncated += len(row["input_ids"]) > max_length
-        stats.tokens += min(len(row["input_ids"]), max_length)
-        stats.supervised_tokens += supervised
-        kept.append(row)
-    stats.kept = len(kept)
-    return kept
 
 
 def prepare(

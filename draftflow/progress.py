@@ -30,7 +30,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
-
 from draftflow.config import load_config
 from draftflow.costs import LATER_OUTPUTS, later_stage_bytes, tree_bytes
 from draftflow.extract import layout
@@ -62,7 +61,7 @@ class Options:
 
 @dataclass(frozen=True)
 class DoneFile:
-    index: int
+    sample_id: str
     tokens: int
     bytes: int
     finished_at: float  # the file's mtime
@@ -74,7 +73,7 @@ class ShardScan:
 
     shard: int
     server: int  # the extraction job that holds it (plan.json)
-    planned: dict[int, int]  # row index -> tokens
+    planned: dict[str, int]  # sample id -> tokens
     done: list[DoneFile]
     in_flight_bytes: int
     unjournaled_files: int
@@ -196,21 +195,24 @@ def scan_shard(hs_dir: Path, shard_plan: dict) -> ShardScan:
     shard = shard_plan["shard"]
     shard_dir = layout.shard_dir(hs_dir, shard)
     stats = directory_stats(shard_dir)
-    planned = dict(shard_plan["samples"])
+    planned = {sample_id: tokens for sample_id, tokens, _ in shard_plan["samples"]}
+    digests = {sample_id: digest for sample_id, _, digest in shard_plan["samples"]}
     _, records = layout.read_journal(layout.journal_path(shard_dir))
     done = [
-        DoneFile(index, record.tokens, record.bytes, stats[name].st_mtime)
-        for index, record in records.items()
-        if index in planned and (name := layout.file_name(index)) in stats and stats[name].st_size == record.bytes
+        DoneFile(sample_id, record.tokens, record.bytes, stats[name].st_mtime)
+        for sample_id, record in records.items()
+        if digests.get(sample_id) == record.token_digest
+        and (name := layout.file_name(sample_id)) in stats
+        and stats[name].st_size == record.bytes
     ]
-    written = {name for name in stats if layout.file_index(name) is not None}
+    written = {name for name in stats if layout.file_sample_id(name) is not None}
     return ShardScan(
         shard=shard,
         server=shard_plan["server"],
         planned=planned,
         done=done,
         in_flight_bytes=sum(st.st_size for name, st in stats.items() if layout.is_temp_file(name)),
-        unjournaled_files=len(written - {layout.file_name(f.index) for f in done}),
+        unjournaled_files=len(written - {layout.file_name(f.sample_id) for f in done}),
         heartbeat=read_json_or_none(layout.heartbeat_path(hs_dir, shard)),
         has_manifest=layout.shard_manifest_path(hs_dir, shard).exists(),
     )
@@ -384,13 +386,13 @@ def project_size(hs_dir: Path, plan: dict, scans: list[ShardScan]) -> Size:
         return Size(0, None, None, None, plan["bytes"], None, plan["bytes"])
     sample = next(s for s in scans if s.done)
     per_token = data_bytes_per_token(
-        layout.shard_dir(hs_dir, sample.shard) / layout.file_name(sample.done[0].index), sample.done[0].tokens
+        layout.shard_dir(hs_dir, sample.shard) / layout.file_name(sample.done[0].sample_id), sample.done[0].tokens
     )
     done_tokens = sum(f.tokens for f in done)
     header = (done_bytes - per_token * done_tokens) / len(done)
-    finished = {(s.shard, f.index) for s in scans for f in s.done}
+    finished = {(s.shard, f.sample_id) for s in scans for f in s.done}
     remaining = [
-        tokens for s in scans for index, tokens in s.planned.items() if (s.shard, index) not in finished
+        tokens for s in scans for sample_id, tokens in s.planned.items() if (s.shard, sample_id) not in finished
     ]
     return Size(
         bytes_done=done_bytes,

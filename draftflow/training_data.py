@@ -3,7 +3,11 @@
 speculators' ``ArrowDataset`` reads a saved dataset and its hidden states as
 ``<dataset>/hidden_states/hs_{row}.safetensors``. A view is such a directory
 for a subset of samples: the selected rows, renumbered, with symlinks to the
-shard files, so no hidden state is copied.
+shard files (found by sample id), so no hidden state is copied.
+
+speculators compares each file's token ids with its row and skips a sample
+that differs, with a warning; here a difference is an error, named before
+training or evaluation reads anything.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from pathlib import Path
 
 from datasets import load_from_disk
 
-from draftflow.extract.layout import file_name
-from draftflow.extract.hidden_states import opens_cleanly
+from draftflow.extract.hidden_states import opens_cleanly, read_token_ids
+from draftflow.extract.layout import token_digest, view_file_name
 from draftflow.io import atomic_path, read_json
 
 
@@ -25,15 +29,31 @@ def is_heldout(sample_id: str, fraction: float, seed: int) -> bool:
     return int(digest[:12], 16) / 16**12 < fraction
 
 
-def hidden_state_files(summary_path: Path) -> dict[int, tuple[Path, int]]:
-    """Dataset row → (its file, its size in bytes), from the shard manifests the
-    extraction's summary (``hidden_states/manifest.json``) lists."""
+REEXTRACT = (
+    "Run `snakemake --forcerun extract_server`: shards keep the files that hold their "
+    "samples' token ids and extract the others again."
+)
+
+
+def hidden_state_files(summary_path: Path) -> dict[str, dict]:
+    """Sample id → its shard manifest entry (``path`` made absolute), from the shard
+    manifests the extraction's summary (``hidden_states/manifest.json``) lists."""
     base = summary_path.parent
     files = {}
     for manifest in read_json(summary_path)["shards"]:
         for entry in read_json(base / manifest)["files"]:
-            files[entry["index"]] = (base / entry["file"], entry["bytes"])
+            files[entry["sample_id"]] = {**entry, "path": base / entry["file"]}
     return files
+
+
+def file_of(files: dict[str, dict], sample_id: str, token_ids: list[int], summary: str) -> dict:
+    """The manifest entry of a row's file, refusing one the manifests lack or list
+    for other token ids: the extraction predates an edit upstream of it."""
+    entry = files.get(sample_id)
+    if entry is None or entry["token_digest"] != token_digest(token_ids):
+        found = "lists no file" if entry is None else f"lists {entry['path']} for other token ids"
+        raise ValueError(f"Sample {sample_id} of the prepared dataset: {summary} {found}. {REEXTRACT}")
+    return entry
 
 
 def check_file(path: Path, size: int, sample_id: str) -> None:
@@ -45,27 +65,41 @@ def check_file(path: Path, size: int, sample_id: str) -> None:
         else None
     )  # fmt: skip
     if problem:
-        raise ValueError(
-            f"Hidden-state file {path} (sample {sample_id}) {problem}. Delete it and run "
-            "`snakemake --forcerun extract_server`: shards keep the files their journal "
-            "vouches for and extract the missing ones again."
-        )
+        raise ValueError(f"Hidden-state file {path} (sample {sample_id}) {problem}. {REEXTRACT}")
 
 
-def build_view(
-    dataset_dir: Path, files: dict[int, tuple[Path, int]], rows: list[int], view_dir: Path
-) -> None:
+def build_view(dataset_dir: Path, summary_path: Path, rows: list[int], view_dir: Path) -> None:
     """Save ``rows`` of the dataset to ``view_dir`` with symlinked hidden states."""
     dataset = load_from_disk(str(dataset_dir)).select(rows)
+    columns = dataset.with_format(None)
+    files = hidden_state_files(summary_path)
     with atomic_path(view_dir) as tmp:
         dataset.save_to_disk(str(tmp))
         links = tmp / "hidden_states"
         links.mkdir()
         final_links = (view_dir / "hidden_states").resolve()
-        for position, row in enumerate(rows):
-            source, size = files[row]
-            check_file(source, size, dataset[position]["sample_id"])
-            (links / file_name(position)).symlink_to(os.path.relpath(source.resolve(), final_links))
+        for position, (sample_id, token_ids) in enumerate(zip(columns["sample_id"], columns["input_ids"], strict=True)):
+            entry = file_of(files, sample_id, token_ids, str(summary_path))
+            check_file(entry["path"], entry["bytes"], sample_id)
+            (links / view_file_name(position)).symlink_to(os.path.relpath(entry["path"].resolve(), final_links))
+
+
+def check_view(view_dir: Path) -> int:
+    """Refuse a view any of whose files holds other token ids than its row, naming
+    the sample and the file; the count of rows checked. Reads only the token ids."""
+    dataset = load_from_disk(str(view_dir)).with_format(None)
+    for row, (sample_id, token_ids) in enumerate(zip(dataset["sample_id"], dataset["input_ids"], strict=True)):
+        link = view_dir / "hidden_states" / view_file_name(row)
+        held = read_token_ids(link) if link.exists() else None
+        if held != token_ids:
+            what = "is missing or unreadable" if held is None else (
+                f"holds {len(held)} token ids that are not its row's {len(token_ids)}"
+            )
+            raise ValueError(
+                f"Hidden-state file {link.resolve()} of sample {sample_id} (row {row} of {view_dir}) {what}: "
+                f"training on it would pair one sample's hidden states with another's tokens. {REEXTRACT}"
+            )
+    return len(dataset)
 
 
 def split_rows(dataset_dir: Path, fraction: float, seed: int) -> tuple[list[int], list[int]]:

@@ -23,6 +23,7 @@ rule extract_plan:
         output_dir=lambda wildcards, output: Path(output[0]).parent,
         shards=config["extract"]["shards"],
         servers=EXTRACT_SERVERS,
+        backend=config["extract"]["backend"],
         layer_ids=config["extract"]["layer_ids"],
         dtype=config["target"]["dtype"],
         storage=config["extract"]["storage"],

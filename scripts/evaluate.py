@@ -3,10 +3,18 @@ from pathlib import Path
 import torch._dynamo
 from datasets import load_from_disk
 
-from draftflow.evaluate import TargetHead, check_layer_ids, evaluate, gate, gate_failure, plot_acceptance
+from draftflow.evaluate import (
+    TargetHead,
+    check_layer_ids,
+    evaluate,
+    gate,
+    gate_failure,
+    plot_acceptance,
+)
 from draftflow.io import read_json, write_json
 from draftflow.rule_log import logged
 from draftflow.train import load_drafter
+from draftflow.training_data import check_view
 
 # speculators compiles the drafter's forward whenever CUDA is available; evaluation runs it on
 # CPU tensors, where inductor's generated C++ did not build (H200 image, torch 2.11). Evaluate
@@ -17,6 +25,7 @@ params = snakemake.params
 with logged(snakemake.log[0]):
     layer_ids = read_json(snakemake.input.plan)["layer_ids"]
     heldout = Path(snakemake.input.heldout)
+    print(f"{check_view(heldout)} held-out files hold their rows' token ids")
     rows = load_from_disk(str(heldout)).with_format(None)
     samples = [
         (row, ids, mask)

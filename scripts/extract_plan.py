@@ -1,7 +1,14 @@
 from pathlib import Path
 
-from draftflow.extract.layout import hidden_state_files
-from draftflow.extract.shards import check_free_space, load_samples, plan_extraction, remove_stale_shards
+from draftflow.extract.layout import ExtractionSettings
+from draftflow.extract.shards import (
+    check_free_space,
+    load_samples,
+    plan_extraction,
+    remove_stale_shards,
+    reusable_samples,
+)
+from draftflow.fingerprint import target_fingerprint
 from draftflow.io import write_json
 from draftflow.layers import resolve_layer_ids
 from draftflow.rule_log import logged
@@ -14,16 +21,19 @@ with logged(snakemake.log[0]):
     removed = remove_stale_shards(output_dir, params.shards, params.servers)
     if removed:
         print(f"{params.shards} shards on {params.servers} server jobs now: removed stale {removed}")
-    plan = plan_extraction(
-        load_samples(Path(snakemake.input.dataset)),
-        params.shards,
-        params.servers,
-        resolve_layer_ids(params.layer_ids, target.num_layers),
-        target.hidden_size,
-        params.dtype,
-        params.storage,
+    settings = ExtractionSettings(
+        backend=params.backend,
+        layer_ids=tuple(resolve_layer_ids(params.layer_ids, target.num_layers)),
+        dtype=params.dtype,
+        target_fingerprint=target_fingerprint(snakemake.input.target),
+        storage=params.storage,
     )
-    on_disk = sum(path.stat().st_size for path in hidden_state_files(output_dir))
-    plan["disk"] = check_free_space(output_dir, plan["bytes"] - on_disk, params.disk_margin)
+    samples = load_samples(Path(snakemake.input.dataset))
+    reused = reusable_samples(output_dir, samples, params.shards, settings)
+    plan = plan_extraction(samples, params.shards, params.servers, settings, target.hidden_size, reused)
+    plan["disk"] = check_free_space(output_dir, plan["bytes_to_write"], params.disk_margin)
     write_json(snakemake.output.plan, plan)
-    print(f"{plan['samples']} samples, {plan['tokens']} tokens, {plan['bytes'] / 1e6:.1f} MB in {params.shards} shards on {params.servers} server jobs")
+    print(
+        f"{plan['samples']} samples, {plan['tokens']} tokens, {plan['bytes'] / 1e6:.1f} MB in {params.shards} shards "
+        f"on {params.servers} server jobs: {plan['reused']} samples' files kept, {plan['samples'] - plan['reused']} to extract"
+    )

@@ -2,23 +2,17 @@ from functools import partial
 from pathlib import Path
 
 from draftflow.extract.backends import open_extractor
-from draftflow.extract.shards import ExtractionSettings, load_samples, run_server
-from draftflow.fingerprint import target_fingerprint
-from draftflow.io import read_json, write_json
+from draftflow.extract.layout import ExtractionSettings
+from draftflow.extract.shards import load_samples, run_server
 from draftflow.gpus import claim_gpus
+from draftflow.io import read_json, write_json
 from draftflow.rule_log import logged
 
 params = snakemake.params
 with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
     plan = read_json(snakemake.input.plan)
     target = snakemake.input.target
-    settings = ExtractionSettings(
-        backend=params.backend,
-        layer_ids=tuple(plan["layer_ids"]),
-        dtype=plan["dtype"],
-        target_fingerprint=target_fingerprint(target),
-        storage=plan["storage"],
-    )
+    settings = ExtractionSettings(**{**plan["settings"], "layer_ids": tuple(plan["settings"]["layer_ids"])})
     manifests = run_server(
         plan,
         int(snakemake.wildcards.server),

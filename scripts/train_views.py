@@ -2,7 +2,7 @@ from pathlib import Path
 
 from draftflow.io import write_json
 from draftflow.rule_log import logged
-from draftflow.training_data import build_view, hidden_state_files, split_rows
+from draftflow.training_data import build_view, split_rows
 
 with logged(snakemake.log[0]):
     dataset = Path(snakemake.input.dataset)
@@ -12,8 +12,8 @@ with logged(snakemake.log[0]):
             f"train.heldout_fraction={snakemake.params.heldout_fraction} leaves "
             f"{len(train_rows)} training and {len(heldout_rows)} held-out samples; both need some."
         )
-    files = hidden_state_files(Path(snakemake.input.hidden_states))
-    build_view(dataset, files, train_rows, Path(snakemake.output.train))
-    build_view(dataset, files, heldout_rows, Path(snakemake.output.heldout))
+    summary = Path(snakemake.input.hidden_states)
+    build_view(dataset, summary, train_rows, Path(snakemake.output.train))
+    build_view(dataset, summary, heldout_rows, Path(snakemake.output.heldout))
     write_json(snakemake.output.split, {"train_rows": train_rows, "heldout_rows": heldout_rows})
     print(f"{len(train_rows)} training samples, {len(heldout_rows)} held out")

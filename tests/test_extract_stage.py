@@ -37,8 +37,9 @@ def assert_manifests_match_files(results):
             path = results / "hidden_states" / entry["file"]
             assert path.stat().st_size == entry["bytes"]
             assert file_sha256(path) == entry["sha256"]
-        listed += [entry["index"] for entry in manifest["files"]]
-    assert sorted(listed) == list(range(plan["samples"]))
+        listed += [entry["sample_id"] for entry in manifest["files"]]
+    planned = [sample_id for shard in plan["shards"] for sample_id, _, _ in shard["samples"]]
+    assert sorted(listed) == sorted(planned) and len(planned) == plan["samples"]
 
 
 def test_shards_hold_every_sample_once_in_speculators_format(demo_run):

@@ -4,9 +4,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftflow.extract.transformers_backend import TransformersExtractor, batches_by_token_budget
 from draftflow.extract.hidden_states import Fp8States, to_storage
 from draftflow.extract.layout import Sample
+from draftflow.extract.transformers_backend import (
+    TransformersExtractor,
+    batches_by_token_budget,
+)
 
 LAYERS = 4
 
@@ -32,12 +35,12 @@ def test_right_padding_without_a_mask_matches_each_sample_alone(tiny_model):
     (the last slot is before the final norm: normed, it is Hugging Face's last state)."""
     batch = samples([40, 23, 7, 31])
     extractor = TransformersExtractor(tiny_model, [1, 3, LAYERS], token_budget=4 * 40, device="cpu")
-    got = dict(((s.index, states) for s, states in extractor(batch)))
+    got = {s.sample_id: states for s, states in extractor(batch)}
     assert extractor.timings["batches"] == 1 and extractor.timings["padded_tokens"] == 4 * 40
     for sample in batch:
         with torch.no_grad():
             reference = tiny_model(torch.tensor([sample.token_ids]), output_hidden_states=True).hidden_states
-            states = got[sample.index]
+            states = got[sample.sample_id]
             assert states.shape == (len(sample.token_ids), 3, 32)
             torch.testing.assert_close(states[:, 0], reference[1][0], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(states[:, 1], reference[3][0], atol=1e-5, rtol=1e-4)
@@ -71,11 +74,11 @@ def test_fp8_storage_quantizes_each_token_over_its_layers_before_handing_it_over
     """The batch is quantized where it was computed (on a GPU: before the copy to the host);
     each sample gets the values and scales the writer would have made of its own states."""
     batch = samples([40, 23, 7])
-    full = dict((s.index, states) for s, states in TransformersExtractor(tiny_model, [1, 3, LAYERS], 4 * 40, "cpu")(batch))
-    fp8 = dict((s.index, states) for s, states in
+    full = dict((s.sample_id, states) for s, states in TransformersExtractor(tiny_model, [1, 3, LAYERS], 4 * 40, "cpu")(batch))
+    fp8 = dict((s.sample_id, states) for s, states in
                TransformersExtractor(tiny_model, [1, 3, LAYERS], 4 * 40, "cpu", storage="fp8")(batch))  # fmt: skip
     for sample in batch:
-        expected = to_storage(full[sample.index], "fp8")
-        assert isinstance(fp8[sample.index], Fp8States) and fp8[sample.index].scales.shape == (len(sample.token_ids), 1, 1)
-        assert torch.equal(fp8[sample.index].values.view(torch.uint8), expected.values.view(torch.uint8))
-        assert torch.equal(fp8[sample.index].scales, expected.scales)
+        expected = to_storage(full[sample.sample_id], "fp8")
+        assert isinstance(fp8[sample.sample_id], Fp8States) and fp8[sample.sample_id].scales.shape == (len(sample.token_ids), 1, 1)
+        assert torch.equal(fp8[sample.sample_id].values.view(torch.uint8), expected.values.view(torch.uint8))
+        assert torch.equal(fp8[sample.sample_id].scales, expected.scales)

@@ -12,10 +12,32 @@ from hs_connectors.fp8_utils import SCALES_KEY
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftflow.extract.transformers_backend import batches_by_token_budget, transformers_extractor
-from draftflow.extract.hidden_states import STORAGES, read_hidden_states, to_storage, write_sample
-from draftflow.extract.layout import HEADER_BYTES_MAX, Sample, hidden_state_bytes
-from draftflow.extract.shards import ExtractionSettings, ShardJournal, plan_extraction, run_shard, shard_of
+from draftflow.extract import layout
+from draftflow.extract.hidden_states import (
+    STORAGES,
+    read_hidden_states,
+    read_token_ids,
+    to_storage,
+    write_sample,
+)
+from draftflow.extract.layout import (
+    HEADER_BYTES_MAX,
+    Sample,
+    WrittenFile,
+    hidden_state_bytes,
+    token_digest,
+)
+from draftflow.extract.shards import (
+    ExtractionSettings,
+    ShardJournal,
+    plan_extraction,
+    run_shard,
+    shard_of,
+)
+from draftflow.extract.transformers_backend import (
+    batches_by_token_budget,
+    transformers_extractor,
+)
 from draftflow.layers import resolve_layer_ids
 
 LAYERS = 8
@@ -93,18 +115,20 @@ def test_shard_resumes_and_redoes_only_damaged_files(tiny_target, tmp_path):
 
     shard_dir = tmp_path / "shard-0"
     first = run_shard(samples, 0, shard_dir, tmp_path / "hb.json", settings, open_extractor)
-    plan = plan_extraction(samples, 1, 1, layer_ids, 64, "float32", "full")
+    plan = plan_extraction(samples, 1, 1, settings, 64)
     actual = sum(r.bytes for r in first)
     assert actual <= plan["bytes"] and plan["bytes"] - actual <= 256 * len(samples)
-    damaged = shard_dir / "hs_3.safetensors"
+    assert sorted(p.name for p in shard_dir.glob("hs_*")) == sorted(layout.file_name(s.sample_id) for s in samples)
+    damaged = shard_dir / layout.file_name("s3")
     damaged.write_bytes(damaged.read_bytes()[:100])
-    (shard_dir / ".hs_5.safetensors.tmp").write_bytes(b"partial")
-    untouched = (shard_dir / "hs_1.safetensors").stat().st_mtime_ns
+    layout.temp_file(shard_dir / layout.file_name("s5")).write_bytes(b"partial")
+    untouched = (shard_dir / layout.file_name("s1")).stat().st_mtime_ns
 
     second = run_shard(samples, 0, shard_dir, tmp_path / "hb.json", settings, open_extractor)
-    redone = [r.index for r, s in zip(first, second) if r.sha256 != s.sha256]
-    assert redone in ([], [3])  # a batch of one may round differently from the first batch
-    assert (shard_dir / "hs_1.safetensors").stat().st_mtime_ns == untouched
+    redone = [r.sample_id for r, s in zip(first, second) if r.sha256 != s.sha256]
+    assert redone in ([], ["s3"])  # a batch of one may round differently from the first batch
+    assert damaged.stat().st_size == second[3].bytes == first[3].bytes
+    assert (shard_dir / layout.file_name("s1")).stat().st_mtime_ns == untouched
     assert not list(shard_dir.glob("*.tmp"))
     payload = load_file(damaged)
     assert payload["token_ids"].tolist() == samples[3].token_ids
@@ -121,7 +145,7 @@ def test_shard_resumes_and_redoes_only_damaged_files(tiny_target, tmp_path):
 def test_hidden_state_bytes_is_exact_up_to_the_header(tmp_path, dtype, storage):
     for tokens, layers, hidden in ((37, 4, 64), (3000, 4, 1024)):
         states = to_storage(torch.ones(tokens, layers, hidden, dtype=getattr(torch, dtype)), storage)
-        record = write_sample(tmp_path, 0, "s0", states, torch.zeros(tokens, dtype=torch.int64))
+        record = write_sample(tmp_path, "s0", states, torch.zeros(tokens, dtype=torch.int64))
         assert 0 <= hidden_state_bytes(tokens, layers, hidden, dtype, storage) - record.bytes <= HEADER_BYTES_MAX
 
 
@@ -138,19 +162,26 @@ def test_files_are_the_bytes_safetensors_writes(tmp_path, dtype, storage):
 
     states, token_ids = torch.randn(37, 4, 64).to(dtype), torch.randint(0, 300, (37,))
     stored = to_storage(states, storage)
-    record = write_sample(tmp_path, 7, "s7", stored, token_ids)
-    written = (tmp_path / "hs_7.safetensors").read_bytes()
+    record = write_sample(tmp_path, "s7", stored, token_ids)
+    written = (tmp_path / layout.file_name("s7")).read_bytes()
     tensors = {"hidden_states": states} if storage == "full" else {"hidden_states": stored.values, SCALES_KEY: stored.scales}
     assert written == save({**tensors, "token_ids": token_ids})
     assert record.bytes == len(written) and record.sha256 == hashlib.sha256(written).hexdigest()
+    assert record.sample_id == "s7" and record.tokens == 37 and record.token_digest == token_digest(token_ids.tolist())
 
 
 def test_speculators_fp8_reader_takes_the_files_and_each_value_is_within_fp8_rounding(tmp_path):
+    """Through a training view's link: the file is named by sample id, speculators reads it by row."""
     states = torch.randn(37, 4, 64) * torch.logspace(-2, 2, 4).reshape(1, 4, 1)  # layers of very different scales
-    write_sample(tmp_path, 3, "s3", to_storage(states, "fp8"), torch.arange(37))
-    read = FP8Transfer(tmp_path, dequantize_dtype=torch.float32).get_cached(3)
+    (tmp_path / "shard-0").mkdir()
+    write_sample(tmp_path / "shard-0", "s-abc", to_storage(states, "fp8"), torch.arange(37))
+    view = tmp_path / "view"
+    view.mkdir()
+    (view / layout.view_file_name(3)).symlink_to(tmp_path / "shard-0" / layout.file_name("s-abc"))
+    read = FP8Transfer(view, dequantize_dtype=torch.float32).get_cached(3)
     assert set(read) == {"hidden_states", "token_ids"} and read["hidden_states"].dtype == torch.float32
-    assert torch.equal(read["hidden_states"], read_hidden_states(tmp_path / "hs_3.safetensors"))
+    assert read["token_ids"].tolist() == list(range(37))
+    assert torch.equal(read["hidden_states"], read_hidden_states(tmp_path / "shard-0" / layout.file_name("s-abc")))
     scale = states.abs().amax(dim=(1, 2), keepdim=True) / torch.finfo(torch.float8_e4m3fn).max
     error = (read["hidden_states"] - states).abs()
     # normal fp8 values round within 2**-4 of themselves; subnormals within half their step
@@ -187,15 +218,156 @@ def test_threaded_writes_journal_exactly_the_files_on_disk_when_extraction_fails
     shard_dir = tmp_path / "shard-0"
     with pytest.raises(ExtractorFails):
         run_shard(samples, 0, shard_dir, tmp_path / "hb.json", settings, lambda: failing_after(5), writers=4)
-    journaled = set(ShardJournal(shard_dir, settings).completed())
-    assert {int(p.stem[3:]) for p in shard_dir.glob("hs_*.safetensors")} == journaled and len(journaled) == 5
+    journaled = set(ShardJournal(shard_dir, settings).completed(samples))
+    assert {layout.file_sample_id(p.name) for p in shard_dir.glob("hs_*.safetensors")} == journaled
+    assert len(journaled) == 5
     assert json.loads((tmp_path / "hb.json").read_text())["status"] == "failed"
 
     def open_extractor():
         return transformers_extractor(str(tiny_target), layer_ids, dtype="float32", device="cpu", token_budget=256)
 
     resumed = run_shard(samples, 0, shard_dir, tmp_path / "hb.json", settings, open_extractor, writers=4)
-    assert [r.index for r in resumed] == [s.index for s in samples]
+    assert [r.sample_id for r in resumed] == [s.sample_id for s in samples]
     threaded = run_shard(samples, 0, tmp_path / "threaded", tmp_path / "hb2.json", settings, open_extractor, writers=4)
     serial = run_shard(samples, 0, tmp_path / "serial", tmp_path / "hb3.json", settings, open_extractor, writers=0)
     assert [r.sha256 for r in threaded] == [r.sha256 for r in serial]
+
+
+# -- files named by sample id: rows may move, tokens may change -----------------
+
+FAKE_SETTINGS = ExtractionSettings("fake", (1, 2), "float32", "fp")
+
+
+class FakeExtractor:
+    """States computed from the token ids alone (2 slots x 4 values a token); counts
+    the model loads and records which samples it was asked for."""
+
+    def __init__(self):
+        self.asked: list[str] = []
+        self.loads = 0
+
+    def states(self, token_ids):
+        tokens = torch.tensor(token_ids, dtype=torch.float32)
+        return tokens.reshape(-1, 1, 1) * torch.arange(1, 9, dtype=torch.float32).reshape(1, 2, 4)
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self.loads += 1
+
+        def extract(todo):
+            for sample in todo:
+                self.asked.append(sample.sample_id)
+                yield sample, self.states(sample.token_ids)
+
+        yield extract
+
+
+def fake_run(samples, shard_dir, extractor, writers=2):
+    return run_shard(samples, 0, shard_dir, shard_dir.parent / "hb.json", FAKE_SETTINGS, extractor, writers=writers)
+
+
+def assert_each_file_holds_its_sample(shard_dir, samples, extractor):
+    for sample in samples:
+        path = shard_dir / layout.file_name(sample.sample_id)
+        assert read_token_ids(path) == sample.token_ids
+        assert torch.equal(read_hidden_states(path), extractor.states(sample.token_ids))
+
+
+def test_a_rerun_after_rows_moved_reuses_every_file_and_extracts_only_the_new_samples(tmp_path, capsys):
+    shard_dir = tmp_path / "shard-0"
+    old = make_samples(6)
+    first_extractor = FakeExtractor()
+    first = fake_run(old, shard_dir, first_extractor)
+    assert first_extractor.asked == [s.sample_id for s in old]
+    mtimes = {s.sample_id: (shard_dir / layout.file_name(s.sample_id)).stat().st_mtime_ns for s in old}
+
+    # three new samples inserted before the old ones: every old sample's row moves by 3
+    new = [Sample(i, f"new{i}", [7 + i] * (4 + i)) for i in range(3)]
+    moved = new + [Sample(s.index + 3, s.sample_id, s.token_ids) for s in old]
+    capsys.readouterr()
+    extractor = FakeExtractor()
+    records = fake_run(moved, shard_dir, extractor)
+    assert "shard 0: 6 of 9 samples already on disk, 3 to extract; 0 file(s) that no sample claims now removed" in (
+        capsys.readouterr().out
+    )
+    assert extractor.asked == ["new0", "new1", "new2"] and extractor.loads == 1
+    assert [r.sample_id for r in records] == [s.sample_id for s in moved]
+    assert records[3:] == first  # the old samples' records, kept as they were
+    assert {s.sample_id: (shard_dir / layout.file_name(s.sample_id)).stat().st_mtime_ns for s in old} == mtimes
+    assert sorted(p.name for p in shard_dir.glob("hs_*")) == sorted(layout.file_name(s.sample_id) for s in moved)
+    assert_each_file_holds_its_sample(shard_dir, moved, extractor)
+
+    again = FakeExtractor()  # nothing left: no model load at all
+    assert fake_run(moved, shard_dir, again) == records and again.loads == 0 and again.asked == []
+
+    # a sample gone from the shard: its file is the only one removed
+    capsys.readouterr()
+    fewer = [s for s in moved if s.sample_id != "s2"]
+    fake_run(fewer, shard_dir, FakeExtractor())
+    assert "8 of 8 samples already on disk, 0 to extract; 1 file(s) that no sample claims now removed" in (
+        capsys.readouterr().out
+    )
+    assert not (shard_dir / layout.file_name("s2")).exists()
+    assert set(ShardJournal(shard_dir, FAKE_SETTINGS).completed(moved)) == {s.sample_id for s in fewer}
+
+
+def test_changed_tokens_under_the_same_id_and_another_samples_file_under_its_name_are_redone(tmp_path, capsys):
+    shard_dir = tmp_path / "shard-0"
+    samples = [
+        Sample(0, "a", [1, 2, 3, 4, 5]),
+        Sample(1, "b", [9, 8, 7, 6, 5]),  # as many tokens as a: its file has a's size
+        Sample(2, "c", [11, 12, 13]),
+        Sample(3, "d", [20, 21, 22, 23]),
+    ]
+    fake_run(samples, shard_dir, FakeExtractor())
+    path = {s.sample_id: shard_dir / layout.file_name(s.sample_id) for s in samples}
+    # c's tokens changed upstream (same id, same length: same file size)
+    edited = [*samples[:2], Sample(2, "c", [31, 32, 33]), samples[3]]
+    # b's file planted under a's name: a's journal record, a's size, b's token ids
+    path["a"].write_bytes(path["b"].read_bytes())
+    _, journaled = layout.read_journal(layout.journal_path(shard_dir))
+    assert journaled["a"].token_digest == samples[0].token_digest and path["a"].stat().st_size == journaled["a"].bytes
+    assert set(ShardJournal(shard_dir, FAKE_SETTINGS).completed(edited)) == {"b", "d"}
+    untouched = {name: path[name].stat().st_mtime_ns for name in ("b", "d")}
+
+    capsys.readouterr()
+    extractor = FakeExtractor()
+    records = fake_run(edited, shard_dir, extractor)
+    assert "2 of 4 samples already on disk, 2 to extract" in capsys.readouterr().out
+    assert extractor.asked == ["a", "c"]
+    assert_each_file_holds_its_sample(shard_dir, edited, extractor)
+    assert {name: path[name].stat().st_mtime_ns for name in ("b", "d")} == untouched
+    assert [r.token_digest for r in records] == [s.token_digest for s in edited]
+    assert records[2].token_digest != samples[2].token_digest
+    assert set(ShardJournal(shard_dir, FAKE_SETTINGS).completed(edited)) == {"a", "b", "c", "d"}
+    assert ShardJournal(shard_dir, FAKE_SETTINGS).completed(samples).keys() == {"a", "b", "d"}  # c: the old tokens
+
+
+def test_a_shard_of_row_named_files_and_index_records_is_extracted_again(tmp_path, capsys):
+    """The layout before files were named by sample id: its journal records (with an
+    index) are skipped and its files, named by row, removed."""
+    shard_dir = tmp_path / "shard-0"
+    shard_dir.mkdir()
+    samples = make_samples(3)
+    extractor = FakeExtractor()
+    old_records = []
+    for sample in samples:
+        record = write_sample(shard_dir, sample.sample_id, extractor.states(sample.token_ids), torch.tensor(sample.token_ids))
+        (shard_dir / layout.file_name(sample.sample_id)).rename(shard_dir / layout.view_file_name(sample.index))
+        old_records.append({"index": sample.index, "sample_id": sample.sample_id, "tokens": record.tokens,
+                            "bytes": record.bytes, "sha256": record.sha256})  # fmt: skip
+    lines = [{"settings_key": FAKE_SETTINGS.key()}, *old_records]
+    layout.journal_path(shard_dir).write_text("".join(layout.journal_line(line) + "\n" for line in lines))
+    assert ShardJournal(shard_dir, FAKE_SETTINGS).completed(samples) == {}
+
+    capsys.readouterr()
+    records = fake_run(samples, shard_dir, extractor)
+    assert "0 of 3 samples already on disk, 3 to extract; 3 file(s) that no sample claims now removed" in (
+        capsys.readouterr().out
+    )
+    assert extractor.asked == [s.sample_id for s in samples]
+    assert sorted(p.name for p in shard_dir.glob("hs_*")) == sorted(layout.file_name(s.sample_id) for s in samples)
+    assert layout.read_journal(layout.journal_path(shard_dir)) == (
+        FAKE_SETTINGS.key(), {r.sample_id: r for r in records}
+    )
+    assert all(isinstance(r, WrittenFile) for r in records)

@@ -8,17 +8,18 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from datasets import load_from_disk
 
-from draftflow.extract.transformers_backend import transformers_extractor
+from draftflow.answers import conversation_key
+from draftflow.extract import layout
+from draftflow.extract.hidden_states import DiskFullError
 from draftflow.extract.layout import Sample
 from draftflow.extract.shards import ExtractionSettings, ShardJournal, run_shard
+from draftflow.extract.transformers_backend import transformers_extractor
 from draftflow.generate import check_error_rate, unresolved_errors
-from draftflow.extract.hidden_states import DiskFullError
+from draftflow.io import iter_jsonl
 from draftflow.prompts import BadPromptRow, select_prompts
 from draftflow.training_data import check_file
-from draftflow.io import iter_jsonl
 from draftflow.vllm_server import ServerStartError, target_server_args, vllm_server
 from tests.conftest import copy_demo_run, demo_config, snakemake
 from tests.test_example_configs import example_config
@@ -99,9 +100,12 @@ def test_server_on_a_taken_port_fails_with_its_log(tmp_path, demo_run):
 
 
 def test_generation_fails_above_the_error_budget_and_keeps_answers(tmp_path):
-    errors = write_rows(tmp_path / "e.jsonl", [{"id": "a", "metadata": {}}, {"id": "b", "metadata": {}}, {"id": "a", "metadata": {}}])
-    unresolved = unresolved_errors(errors, answered={"b"})
-    assert [row["id"] for row in unresolved] == ["a"]
+    asked = [{"id": name, "messages": [{"role": "user", "content": name}]} for name in ("a", "b")]
+    key = {c["id"]: conversation_key(c) for c in asked}
+    errors = write_rows(tmp_path / "e.jsonl", [{"id": key["a"], "metadata": {}}, {"id": key["b"], "metadata": {}},
+                                               {"id": key["a"], "metadata": {"error": "last"}}])  # fmt: skip
+    unresolved = unresolved_errors(errors, asked, answered={"b"})
+    assert unresolved == [{"id": "a", "metadata": {"error": "last", "idx": 0}}]
     check_error_rate({"conversations": 99, "errors": 1}, 0.05, errors)
     with pytest.raises(RuntimeError, match=r"10 of 100 conversations failed.*e\.jsonl.*rerun"):
         check_error_rate({"conversations": 90, "errors": 10}, 0.05, errors)
@@ -131,12 +135,12 @@ def test_disk_full_stops_the_shard_clearly_and_keeps_earlier_files(tiny_target, 
     samples = [Sample(i, f"s{i}", list(range(1, 200))) for i in range(20)]  # ~205 KB each in fp32
     settings = ExtractionSettings("transformers", tuple(layer_ids), "float32", "fp")
     shard_dir = small_disk / "shard-0"
-    with pytest.raises(DiskFullError, match=r"Disk full while writing .*hs_\d+\.safetensors.*rerun to resume"):
+    with pytest.raises(DiskFullError, match=r"Disk full while writing .*hs_s\d+\.safetensors \(.* bytes, sample s\d+\).*rerun to resume"):
         run_shard(samples, 0, shard_dir, small_disk / "hb.json", settings, lambda: transformers_extractor(
             str(tiny_target), layer_ids, dtype="float32", device="cpu", token_budget=256))
-    done = ShardJournal(shard_dir, settings).completed()
+    done = ShardJournal(shard_dir, settings).completed(samples)
     assert 0 < len(done) < len(samples)
-    assert sorted(p.name for p in shard_dir.glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in done)
+    assert sorted(p.name for p in shard_dir.glob("hs_*")) == sorted(layout.file_name(i) for i in done)
     assert not list(shard_dir.glob(".*.tmp"))
 
 

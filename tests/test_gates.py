@@ -7,10 +7,11 @@ import shutil
 import pytest
 import torch
 
+from draftflow.answers import answer_store, conversation_key
 from draftflow.evaluate import gate, gate_failure
 from draftflow.extract.fidelity import compare, fidelity_failure
 from draftflow.fingerprint import target_fingerprint
-from draftflow.generate import GenerationSettings, work_file
+from draftflow.generate import GenerationSettings
 from tests.conftest import copy_demo_run, demo_config, snakemake
 
 TRAINED = {"mean_acceptance_length": 1.4, "acceptance_per_position": [0.3, 0.1, 0.0]}
@@ -53,18 +54,23 @@ def test_the_target_fingerprint_follows_config_and_tokenizer_not_weights_or_mtim
     assert target_fingerprint(target) not in (first, second)
 
 
-def test_a_prompt_target_or_generation_setting_edit_starts_a_new_work_file(tmp_path):
-    conversations = tmp_path / "conversations.jsonl"
-    conversations.write_text('{"messages": []}\n')
+def test_answers_are_stored_by_target_and_settings_and_found_by_content(tmp_path):
+    targets = []
+    for name in ("t", "other-target"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"name": name}))
+        targets.append(str(tmp_path / name))
     settings = GenerationSettings(max_tokens=64, temperature=0.0, concurrency=4, max_retries=1, seed=0,
                                   reasoning_end_marker="</think>", max_error_fraction=0.0)  # fmt: skip
-    same = work_file(tmp_path, conversations, "t", settings)
-    assert work_file(tmp_path, conversations, "t", GenerationSettings(**{**settings.__dict__, "concurrency": 8})) == same
+    store = lambda target, s: answer_store(tmp_path, target, s.max_tokens, s.temperature, s.seed)  # noqa: E731
+    same = store(targets[0], settings)
+    assert store(targets[0], GenerationSettings(**{**settings.__dict__, "concurrency": 8})) == same
     for change in ({"max_tokens": 65}, {"temperature": 0.5}, {"seed": 1}):
-        assert work_file(tmp_path, conversations, "t", GenerationSettings(**{**settings.__dict__, **change})) != same
-    assert work_file(tmp_path, conversations, "other-target", settings) != same
-    conversations.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    assert work_file(tmp_path, conversations, "t", settings) != same
+        assert store(targets[0], GenerationSettings(**{**settings.__dict__, **change})) != same
+    assert store(targets[1], settings) != same
+    question = {"id": "q1", "messages": [{"role": "user", "content": "hi"}]}
+    assert conversation_key({**question, "id": "renamed"}) == conversation_key(question)
+    assert conversation_key({**question, "messages": [{"role": "user", "content": "hi!"}]}) != conversation_key(question)
 
 
 @pytest.mark.slow

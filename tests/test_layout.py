@@ -76,3 +76,27 @@ def test_the_layout_the_progress_check_and_the_plan_import_without_torch():
     code = "import sys, draftflow.extract.layout, draftflow.progress, draftflow.plan; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_files_are_named_by_sample_id_and_the_journal_keeps_only_records_of_that_layout(tmp_path):
+    from draftflow.extract import layout
+
+    for sample_id in ("s0", "conv-17_a.b", "h0123456789abcdef", "42"):
+        assert layout.file_sample_id(layout.file_name(sample_id)) == sample_id
+    assert layout.file_sample_id(layout.view_file_name(7)) == "7"  # a view's link, by row
+    not_files = [layout.temp_file(tmp_path / layout.file_name("s0")).name, "hs_.safetensors", "hs_s0.safetensors.lock",
+                 layout.journal_path(tmp_path).name, "s0.safetensors"]  # fmt: skip
+    assert [layout.file_sample_id(name) for name in not_files] == [None] * len(not_files)
+    assert layout.is_temp_file(not_files[0])
+
+    digest = layout.token_digest([1, 2, 3])
+    assert digest == layout.Sample(5, "s0", [1, 2, 3]).token_digest != layout.token_digest([1, 2, 4])
+    first = layout.WrittenFile("s0", digest, 3, 100, "a" * 64)
+    again = layout.WrittenFile("s0", layout.token_digest([1, 2, 4]), 3, 100, "b" * 64)
+    other = layout.WrittenFile("s1", digest, 3, 100, "c" * 64)
+    old_shape = {"index": 2, "sample_id": "s2", "tokens": 3, "bytes": 100, "sha256": "d" * 64}
+    lines = [{"settings_key": "k"}, first, old_shape, other, again]
+    path = layout.journal_path(tmp_path)
+    path.write_text("".join(layout.journal_line(line) + "\n" for line in lines) + '{"sample_id": "s3", "tok')
+    assert layout.read_journal(path) == ("k", {"s0": again, "s1": other})  # old shape and torn line skipped
+    assert layout.read_journal(tmp_path / "missing.jsonl") == (None, {})

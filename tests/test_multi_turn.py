@@ -6,7 +6,13 @@ import pytest
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
-from draftflow.generate import GenerationSettings, finish, lost_turn_stats, lost_turns_warnings
+from draftflow.answers import conversation_key
+from draftflow.generate import (
+    GenerationSettings,
+    finish,
+    lost_turn_stats,
+    lost_turns_warnings,
+)
 from draftflow.io import iter_jsonl, write_jsonl
 from draftflow.report import generation_lines
 from tests.conftest import demo_config, snakemake
@@ -67,18 +73,29 @@ def tokenizer_dir(tmp_path):
     return tmp_path / "tokenizer"
 
 
+def stored(row: dict) -> dict:
+    """A row as the answer store holds it: asked under its conversation's key."""
+    key = conversation_key(next(c for c in CONVERSATIONS if c["id"] == row["primary_id"]))
+    return {**row, "id": key + row["id"][len(row["primary_id"]) :], "primary_id": key}
+
+
 def test_stats_log_and_report_carry_the_lost_turns(tmp_path, tokenizer_dir, capsys):
-    conversations, partial = tmp_path / "conversations.jsonl", tmp_path / "work/generated.jsonl"
+    conversations, store = tmp_path / "conversations.jsonl", tmp_path / "work/answers.jsonl"
     write_jsonl(conversations, CONVERSATIONS)
-    write_jsonl(partial, ROWS)
-    write_jsonl(tmp_path / "work/generated.errors.jsonl", [{"id": "failed", "metadata": {"generations_completed": 1}}])
+    write_jsonl(store, [stored(row) for row in ROWS])
+    failed = conversation_key(CONVERSATIONS[-1])
+    write_jsonl(tmp_path / "work/answers.errors.jsonl", [{"id": failed, "metadata": {"generations_completed": 1}}])
     settings = GenerationSettings(
         max_tokens=64, temperature=0.0, concurrency=1, max_retries=0, seed=0,
         reasoning_end_marker="b", max_error_fraction=0.5,
     )  # fmt: skip
     stats_path = tmp_path / "stats.json"
-    finish(partial, conversations, str(tokenizer_dir), settings, 1.0, "test", tmp_path / "out.jsonl", tmp_path / "errors.jsonl", stats_path)
+    asked_now = {"single", "complete"}  # "truncated" was answered by an earlier run
+    finish(store, conversations, str(tokenizer_dir), settings, 1.0, asked_now, "test", tmp_path / "out.jsonl", tmp_path / "errors.jsonl", stats_path)
     stats = json.loads(stats_path.read_text())
+    assert [row["id"] for row in iter_jsonl(tmp_path / "out.jsonl")] == sorted(row["id"] for row in ROWS)
+    assert [row["id"] for row in iter_jsonl(tmp_path / "errors.jsonl")] == ["failed"]
+    assert (stats["conversations_asked"], stats["response_tokens_generated"], stats["response_tokens_per_second"]) == (2, 4, 4.0)
     assert (stats["conversations"], stats["errors"], stats["conversations_with_lost_turns"], stats["user_turns_lost"]) == (3, 1, 1, 2)
     assert len(stats["warnings"]) == 1 and "1 of 3 conversations" in stats["warnings"][0]
     assert f"WARNING: {stats['warnings'][0]}" in capsys.readouterr().out

@@ -16,7 +16,9 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftflow.extract.transformers_backend import transformers_extractor
+from draftflow.costs import drafter_parameters
+from draftflow.extract import layout
+from draftflow.extract.layout import HEADER_BYTES_MAX
 from draftflow.extract.shards import (
     ExtractionSettings,
     Sample,
@@ -25,8 +27,7 @@ from draftflow.extract.shards import (
     shard_manifest,
     shard_samples,
 )
-from draftflow.extract.layout import HEADER_BYTES_MAX
-from draftflow.costs import drafter_parameters
+from draftflow.extract.transformers_backend import transformers_extractor
 from draftflow.io import write_json
 from draftflow.layers import resolve_layer_ids
 from draftflow.progress import (
@@ -45,6 +46,7 @@ from tests.conftest import REPO
 
 LAYERS, HIDDEN = 4, 32
 LAYER_IDS = resolve_layer_ids([1, 2], LAYERS)
+SETTINGS = ExtractionSettings("transformers", tuple(LAYER_IDS), "float32", "test")
 
 
 class Stopped(Exception):
@@ -79,13 +81,13 @@ class Run:
             Sample(i, f"s{i}", torch.randint(0, 300, (n,), generator=generator).tolist())
             for i, n in enumerate(lengths)
         ]
-        plan = plan_extraction(samples, num_shards, num_shards, LAYER_IDS, HIDDEN, "float32", "full")
+        plan = plan_extraction(samples, num_shards, num_shards, SETTINGS, HIDDEN)
         write_json(run_dir / "hidden_states/plan.json", plan | {"disk": {}})
         return cls(run_dir / "hidden_states", samples, num_shards, target)
 
     def extract(self, shard: int, stop_after: int | None = None, at_stop=lambda: None) -> None:
         """Run one shard; with ``stop_after``, stop it once that many files are written."""
-        settings = ExtractionSettings("transformers", tuple(LAYER_IDS), "float32", "test")
+        settings = SETTINGS
 
         @contextlib.contextmanager
         def open_extractor():
@@ -95,13 +97,13 @@ class Run:
                 yield lambda todo: stopping(extract(todo), stop_after, at_stop)
 
         samples = shard_samples(self.samples, shard, self.num_shards)
-        paths = self.hs_dir / f"shard-{shard}", self.hs_dir / f"shard-{shard}.heartbeat.json"
+        paths = layout.shard_dir(self.hs_dir, shard), layout.heartbeat_path(self.hs_dir, shard)
         try:
             records = run_shard(samples, shard, *paths, settings, open_extractor, writers=0)  # stops at exact counts
         except Stopped:
             return
         manifest = shard_manifest(shard, self.num_shards, records, settings, HIDDEN, str(self.target))
-        write_json(self.hs_dir / f"shard-{shard}.json", manifest)
+        write_json(layout.shard_manifest_path(self.hs_dir, shard), manifest)
 
 
 def stopping(items, stop_after: int | None, at_stop):
@@ -114,7 +116,8 @@ def stopping(items, stop_after: int | None, at_stop):
 
 def files_on_disk(shard_dir: Path) -> tuple[int, int, int]:
     """(files, tokens, bytes) of the finished files, read from the files themselves."""
-    paths = sorted(shard_dir.glob("hs_*.safetensors"))
+    names = [p.name for p in shard_dir.iterdir()] if shard_dir.is_dir() else []
+    paths = sorted(shard_dir / name for name in names if layout.file_sample_id(name) is not None)
     tokens = 0
     for path in paths:
         with safe_open(str(path), framework="pt") as f:
@@ -132,7 +135,7 @@ def partial(tiny_target, tmp_path_factory):
 
     def while_running():
         snapshots["now"] = check(run.hs_dir)
-        snapshots["files"] = [files_on_disk(run.hs_dir / f"shard-{k}") for k in range(3)]
+        snapshots["files"] = [files_on_disk(layout.shard_dir(run.hs_dir, k)) for k in range(3)]
         snapshots["an hour later"] = check(run.hs_dir, now=time.time() + 3600)
         shutil.copytree(run.hs_dir, snapshots.setdefault("copy", tmp_path_factory.mktemp("running") / "hidden_states"))
 
@@ -166,15 +169,15 @@ def test_counts_equal_the_files_on_disk_while_running_and_after_the_stop(partial
     assert stopped.shard_states == {"running": 0, "loading": 0, "done": 1, "not started": 1, "failed": 1}
     for shard in stopped.shards:
         assert (shard.samples_done, shard.tokens_done, shard.bytes_done) == files_on_disk(
-            run.hs_dir / f"shard-{shard.shard}"
+            layout.shard_dir(run.hs_dir, shard.shard)
         )
     assert stopped.samples_done == sum(s.samples_done for s in stopped.shards) < stopped.samples_total == 36
     assert stopped.exit_code == FAILED_SHARD and "failed shard(s): 1" in stopped.problems[0]
 
 
 def one_server_for_all_shards(hs_dir: Path) -> None:
-    plan = json.loads((hs_dir / "plan.json").read_text())
-    write_json(hs_dir / "plan.json", plan | {"servers": 1, "shards": [s | {"server": 0} for s in plan["shards"]]})
+    plan = json.loads((hs_dir / layout.PLAN).read_text())
+    write_json(hs_dir / layout.PLAN, plan | {"servers": 1, "shards": [s | {"server": 0} for s in plan["shards"]]})
 
 
 def test_model_loads_ahead_follow_server_jobs_not_shards(partial, tmp_path):
@@ -206,7 +209,7 @@ def test_a_killed_shard_whose_heartbeat_still_says_running_counts_as_failed(part
     shutil.copytree(run.hs_dir.parent, copy)
     gone = subprocess.Popen(["true"])
     gone.wait()  # its pid now names no process
-    heartbeat_path = copy / "hidden_states/shard-1.heartbeat.json"
+    heartbeat_path = layout.heartbeat_path(copy / "hidden_states", 1)
     heartbeat = json.loads(heartbeat_path.read_text()) | {"status": "running", "pid": gone.pid}
     write_json(heartbeat_path, heartbeat)
     killed = check(copy)
@@ -219,7 +222,7 @@ def test_a_killed_shard_whose_heartbeat_still_says_running_counts_as_failed(part
 def test_exact_projection_equals_the_final_size_and_the_linear_one_stands_beside_it(partial, finished):
     run, _ = partial
     stopped = check(run.hs_dir)
-    final = sum(files_on_disk(finished.hs_dir / f"shard-{k}")[2] for k in range(3))
+    final = sum(files_on_disk(layout.shard_dir(finished.hs_dir, k))[2] for k in range(3))
     remaining = stopped.samples_total - stopped.samples_done
     assert abs(stopped.size.projected_exact - final) <= HEADER_BYTES_MAX * remaining
     assert stopped.size.projected_linear != stopped.size.projected_exact
@@ -241,12 +244,41 @@ def test_uneven_lengths_exact_projection_within_1_percent_at_15_percent(tiny_tar
     early = {}
     run.extract(0, stop_after=9, at_stop=lambda: early.update(report=check(run.hs_dir)))  # 15% of 60 samples
     run.extract(0)
-    final = files_on_disk(run.hs_dir / "shard-0")[2]
+    final = files_on_disk(layout.shard_dir(run.hs_dir, 0))[2]
     size = early["report"].size
     assert early["report"].samples_done == 9
     assert abs(size.projected_exact / final - 1) < 0.01
     # the transformers backend batches by length, longest first: the linear projection overshoots
     assert size.projected_linear / final - 1 > 0.5
+
+
+def test_a_file_counts_done_only_for_the_tokens_the_plan_has_for_its_sample(finished, tmp_path):
+    """Files are named by sample id: a plan made after new samples were inserted before the
+    old ones (every old row moved) counts all their files; a sample whose tokens changed
+    upstream (another token digest in the plan) has its old file left undone."""
+    copy = tmp_path / "hidden_states"
+    shutil.copytree(finished.hs_dir, copy)
+    plan = json.loads((copy / layout.PLAN).read_text())
+    before = check(copy)
+    assert before.samples_done == before.samples_total == 36 and not any(s.unjournaled_files for s in before.shards)
+
+    new = [Sample(i, f"new{i}", [5 + i] * 10) for i in range(6)]
+    moved = new + [Sample(s.index + len(new), s.sample_id, s.token_ids) for s in finished.samples]
+    write_json(copy / layout.PLAN, plan_extraction(moved, 3, 3, SETTINGS, HIDDEN) | {"disk": {}})
+    grown = check(copy)
+    assert (grown.samples_done, grown.samples_total) == (36, 42) and grown.tokens_done == before.tokens_done
+    assert [s.bytes_done for s in grown.shards] == [s.bytes_done for s in before.shards]
+
+    sample_id, tokens, digest = plan["shards"][0]["samples"][0]
+    assert layout.shard_dir(copy, 0).joinpath(layout.file_name(sample_id)).exists()
+    edited = [[sample_id, tokens, layout.token_digest([1, 2, 3])], *plan["shards"][0]["samples"][1:]]
+    assert edited[0][2] != digest
+    write_json(copy / layout.PLAN, plan | {"shards": [plan["shards"][0] | {"samples": edited}, *plan["shards"][1:]]})
+    changed = check(copy)
+    zero, done0 = changed.shards[0], before.shards[0]
+    assert (zero.samples_done, zero.samples_total) == (done0.samples_done - 1, done0.samples_total)
+    assert zero.tokens_done == done0.tokens_done - tokens and zero.unjournaled_files == 1
+    assert [s.samples_done for s in changed.shards[1:]] == [s.samples_done for s in before.shards[1:]]
 
 
 def test_will_not_fit_exit_code_and_message_through_the_cli(partial):
@@ -287,7 +319,7 @@ def test_later_stage_estimate_counts_the_demo_drafter(tmp_path):
     target = read_target_model(tmp_path / "target")
     assert drafter_parameters(target, num_aux=3, draft_vocab=128, num_layers=1) == (721_792, 312_192)
     run_dir = tmp_path / "results/demo"
-    write_json(run_dir / "hidden_states/plan.json", plan_extraction([], 1, 1, [2, 4, 5, 8], 128, "float32", "full"))
+    write_json(run_dir / "hidden_states/plan.json", plan_extraction([], 1, 1, ExtractionSettings("vllm", (2, 4, 5, 8), "float32", "test"), 128))
     config = tmp_path / "config.yaml"
     config.write_text(
         f"run: demo\ndevice: cpu\ntarget: {{path: {tmp_path / 'target'}}}\nvocab: {{draft_vocab_size: 128}}\n"

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import time
-from fnmatch import fnmatch
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from draftflow.config import load_config
 from draftflow.io import iter_jsonl
 from draftflow.plan import build_plan, rates_from_run
 from draftflow.report import read_benchmark
+from tests.compare import assert_same_files
 from tests.conftest import REPO, SNAKEMAKE, demo_config, snakemake
 
 pytestmark = pytest.mark.slow
@@ -48,50 +48,12 @@ def lines(path_pattern: Path) -> int:
     return sum(1 for _ in files[0].open()) if files else 0
 
 
-# Files that record when, where or in which order the work happened, not what it made.
-IN_COMPLETION_ORDER = ("hidden_states/shard-*/journal.jsonl",)
-TIMINGS = {"synthetic/stats.json": {"wall_seconds", "response_tokens_per_second"},
-           "train/stats.json": {"seconds_this_run", "supervised_tokens_per_second"}}  # fmt: skip
-NOT_COMPARED = {
-    "synthetic/work/*": "the client's rows name the server's random port (generated.jsonl, compared, is them sorted, port left out)",
-    "plan.md": "free space and the rates of earlier runs, at the start; the first run in a folder has none",
-    "plan.json": "free space and the rates of earlier runs, at the start; the first run in a folder has none",
-    "hidden_states/plan.json": "free space at the start",
-    "hidden_states/progress.json": "when it was checked",
-    "hidden_states/progress.txt": "when it was checked",
-    "hidden_states/shard-*.heartbeat.json": "process ids and times",
-    "drafter_untrained/run.yaml": "speculators records its temporary save folder",
-    "drafter_untrained/train_command.txt": "speculators records the time",
-    "provenance.json": "digests of plan.json and drafter_untrained (above)",
-    "report/*": "stage runtimes",
-}
-
-
-def files_under(results: Path) -> set[str]:
-    return {str(path.relative_to(results)) for path in results.rglob("*") if path.is_file()}
-
-
 def test_two_uninterrupted_runs_make_the_same_files(demo_run, second_demo_run):
     """Every file the same bytes, those written in completion order the same lines,
     the stats the same but for their timings."""
-    again = second_demo_run
-    compared = lambda results: {n for n in files_under(results) if not any(fnmatch(n, p) for p in NOT_COMPARED)}  # noqa: E731
-    names = compared(demo_run)
-    assert names == compared(again)
-    assert {"synthetic/generated.jsonl", "evaluation/evaluation.json", "drafter/model.safetensors"} <= names
-    same_bytes = 0
-    for name in sorted(names):
-        first, second = (r / name for r in (demo_run, again))
-        if any(fnmatch(name, pattern) for pattern in IN_COMPLETION_ORDER):
-            assert sorted(first.read_text().splitlines()) == sorted(second.read_text().splitlines()), name
-        elif name in TIMINGS:
-            timed = [{k: v for k, v in json.loads(r.read_text()).items() if k not in TIMINGS[name]} for r in (first, second)]
-            assert timed[0] == timed[1], name
-        else:
-            as_demo = lambda path: path.read_bytes().replace(b"results/again", b"results/demo")  # noqa: E731
-            assert as_demo(first) == as_demo(second), name
-            same_bytes += 1
-    assert same_bytes > 500
+    compared = assert_same_files(demo_run, second_demo_run, {b"results/again": b"results/demo"})
+    assert {"synthetic/generated.jsonl", "evaluation/evaluation.json", "drafter/model.safetensors"} <= compared
+    assert len(compared) > 500
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +61,7 @@ def repeat_run(workdir, demo_run):
     """The demo config under another run name, killed twice along the way."""
     config = demo_config(run="repeat")
     results = workdir / "results/repeat"
-    partial = results / "synthetic/work/generated-????????????????.jsonl"  # not .errors.jsonl
+    partial = results / "synthetic/work/answers-????????????????.jsonl"  # not .errors.jsonl
     kill_when(start_workflow(workdir, config), lambda: lines(partial) >= 40)
     answered_before_kill = lines(partial)
     checkpoint = results / "train/work/checkpoint.pt"

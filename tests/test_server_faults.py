@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from draftflow.extract import layout
 from draftflow.io import iter_jsonl
 from draftflow.vllm_server import free_port
 from tests.conftest import REPO, SNAKEMAKE, copy_demo_run, demo_config, snakemake
@@ -49,7 +50,7 @@ def lines(path: Path) -> int:
 
 def partial_generation(results: Path) -> Path:
     work = results / "synthetic/work"
-    return next(work.glob("generated-????????????????.jsonl"), work / "not-yet.jsonl")  # not .errors.jsonl
+    return next(work.glob("answers-????????????????.jsonl"), work / "not-yet.jsonl")  # not .errors.jsonl
 
 
 def group_gone_within(pgid: int, seconds: float) -> bool:
@@ -97,7 +98,7 @@ def test_server_killed_mid_extraction_fails_clearly_and_a_rerun_resumes(tmp_path
     journal = results / "hidden_states/shard-0/journal.jsonl"
     code, server_pid = kill_server_during(tmp_path, config, target, lambda: lines(journal) > 10)
 
-    journaled = [json.loads(line)["index"] for line in journal.read_text().splitlines()[1:]]
+    journaled = [json.loads(line)["sample_id"] for line in journal.read_text().splitlines()[1:]]
     total = json.loads((results / "hidden_states/plan.json").read_text())["samples"]
     on_disk = sorted(p.name for p in (results / "hidden_states/shard-0").glob("hs_*.safetensors"))
     log = (tmp_path / "logs/demo/extract_server-0.log").read_text()
@@ -106,7 +107,7 @@ def test_server_killed_mid_extraction_fails_clearly_and_a_rerun_resumes(tmp_path
     assert "died during extraction: sample" in log and "retried with backoff (extract.max_retries=1)" in log
     assert "rerun to resume the shard" in log
     assert "logs/demo/extract_server-0.server.log" in log
-    assert on_disk == sorted(f"hs_{index}.safetensors" for index in journaled)
+    assert on_disk == sorted(layout.file_name(sample_id) for sample_id in journaled)
     assert 10 <= len(journaled) < total
     assert group_gone_within(server_pid, 30), "the killed server's engine workers outlived the job"
 

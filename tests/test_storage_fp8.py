@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from draftflow.extract.fidelity import FP8_ROUNDING, relative_errors
 from draftflow.extract.hidden_states import safetensors_parts
-from draftflow.extract.layout import HEADER_BYTES_MAX, file_index
+from draftflow.extract.layout import HEADER_BYTES_MAX, view_file_name
 
 pytestmark = pytest.mark.slow
 
@@ -38,25 +38,33 @@ def test_fp8_files_take_at_most_52_percent_of_bf16_files_of_the_same_states(fp8_
     assert 0 <= plan["bytes"] - fp8 <= summary["samples"] * HEADER_BYTES_MAX  # projected exactly, up to headers
 
 
+def view_rows(results):
+    """(sample id, token ids, speculators' FP8Transfer read) of every row of both training views."""
+    for view in ("train", "heldout"):
+        dataset = load_from_disk(str(results / "training_data" / view)).with_format(None)
+        reader = FP8Transfer(results / "training_data" / view / "hidden_states", dequantize_dtype=torch.float32)
+        for row, (sample_id, token_ids) in enumerate(zip(dataset["sample_id"], dataset["input_ids"], strict=True)):
+            assert (results / "training_data" / view / "hidden_states" / view_file_name(row)).exists()
+            yield sample_id, token_ids, reader.get_cached(row)
+
+
 def test_speculators_fp8_transfer_reads_every_file(fp8_run):
     dataset = load_from_disk(str(fp8_run / "prepared/dataset")).with_format(None)
-    count = 0
-    for path, entry in files(fp8_run):
-        read = FP8Transfer(path.parent, dequantize_dtype=torch.float32).get_cached(file_index(path.name))
+    seen = set()
+    for sample_id, token_ids, read in view_rows(fp8_run):
         assert set(read) == {"hidden_states", "token_ids"} and read["hidden_states"].dtype == torch.float32
-        assert read["token_ids"].tolist() == dataset[entry["index"]]["input_ids"]
-        count += 1
-    assert count == len(dataset)
+        assert read["token_ids"].tolist() == token_ids
+        seen.add(sample_id)
+    assert seen == set(dataset["sample_id"])
 
 
 def test_fp8_states_are_the_demos_within_fp8_rounding_and_fidelity_says_so(fp8_run, demo_run):
     """Same samples, same server: the fp8 files dequantize to the demo's fp32 files within 2**-4 of each
     layer slot's largest value (what the fidelity check measures, with that bound added to its tolerance)."""
-    demo_files = {entry["index"]: path for path, entry in files(demo_run)}
-    for path, entry in list(files(fp8_run))[:20]:
-        read = FP8Transfer(path.parent, dequantize_dtype=torch.float32).get_cached(file_index(path.name))["hidden_states"]
-        full = load_file(demo_files[entry["index"]])["hidden_states"]
-        errors = relative_errors(full, read)  # the fidelity check's measure
+    demo_files = {entry["sample_id"]: path for path, entry in files(demo_run)}
+    for sample_id, _, read in list(view_rows(fp8_run))[:20]:
+        full = load_file(demo_files[sample_id])["hidden_states"]
+        errors = relative_errors(full, read["hidden_states"])  # the fidelity check's measure
         assert all(error <= FP8_ROUNDING + 1e-4 for error in errors), errors
     fidelity = json.loads((fp8_run / "fidelity/fidelity.json").read_text())
     assert fidelity["passed"] and fidelity["tolerance"] == pytest.approx(1e-4 + FP8_ROUNDING)

@@ -25,15 +25,16 @@ import pytest
 import torch
 from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
 from safetensors.torch import load_file
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (  # noqa: E501
+    ExampleHiddenStatesConnectorMetadata,
+    PendingSave,
+)
 
+from draftflow.extract.layout import view_file_name
 from draftflow.extract.vllm_connector import (
     CPUFP8HiddenStatesConnector,
     CPUHiddenStatesConnector,
     save_atomically,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (  # noqa: E501
-    ExampleHiddenStatesConnectorMetadata,
-    PendingSave,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -331,11 +332,12 @@ def test_speculators_generate_offline_data(server):
         "--concurrency", "2", "--validate-outputs", "--fail-on-error",
     ]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    # speculators names its files by row: the names a training view links (layout)
     assert sorted(p.name for p in out.iterdir()) == [
-        f"hs_{i}.safetensors" for i in range(3)
+        view_file_name(i) for i in range(3)
     ]
     for i, row in enumerate(rows):
-        data = load_file(out / f"hs_{i}.safetensors")
+        data = load_file(out / view_file_name(i))
         assert set(data) == {"hidden_states", "token_ids"}
         assert data["token_ids"].tolist() == row
         assert data["hidden_states"].shape == (len(row), len(AUX_IDS) + 1, 128)

@@ -55,6 +55,7 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from draftflow.extract.transformers_backend import TransformersExtractor, compile_decoder_layers  # noqa: E402
+from draftflow.extract import layout  # noqa: E402
 from draftflow.extract.layout import Sample  # noqa: E402
 from draftflow.extract.shards import ExtractionSettings, run_shard  # noqa: E402
 from draftflow.extract.hidden_states import write_sample  # noqa: E402
@@ -180,7 +181,7 @@ def run_compute(model, samples, layer_ids, args, device, name: str = "compute") 
 def run_write_only(samples, num_layers, hidden, writers, scratch) -> dict:
     """write_sample alone on host tensors of the samples' shapes (1 thread, then ``writers``)."""
     tensors = [(s, torch.randn(len(s.token_ids), num_layers, hidden).to(torch.bfloat16)) for s in samples]
-    token_ids = {s.index: torch.tensor(s.token_ids) for s in samples}
+    token_ids = {s.sample_id: torch.tensor(s.token_ids) for s in samples}
     out = {}
     for threads in (1, writers):
         directory = scratch / f"write-{threads}"
@@ -188,7 +189,7 @@ def run_write_only(samples, num_layers, hidden, writers, scratch) -> dict:
         os.sync()
         started = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
-            records = list(pool.map(lambda item: write_sample(directory, item[0].index, item[0].sample_id, item[1], token_ids[item[0].index]), tensors))
+            records = list(pool.map(lambda item: write_sample(directory, item[0].sample_id, item[1], token_ids[item[0].sample_id]), tensors))
         os.sync()
         seconds = time.perf_counter() - started
         out[f"threads_{threads}"] = result_of(f"write_{threads}", sum(r.tokens for r in records), sum(r.bytes for r in records), seconds)
@@ -284,7 +285,7 @@ def run_baseline(model, samples, layer_ids, device, directory: Path) -> dict:
         with torch.inference_mode():
             output = model(input_ids=torch.tensor([sample.token_ids], device=device), output_hidden_states=True)
         states = torch.stack([output.hidden_states[k][0] for k in layer_ids], dim=1).cpu()
-        path = directory / f"hs_{sample.index}.safetensors"
+        path = directory / layout.file_name(sample.sample_id)
         save_file({"hidden_states": states, "token_ids": torch.tensor(sample.token_ids)}, str(path))
         written += path.stat().st_size
     os.sync()
@@ -327,12 +328,12 @@ def compare_files(backend_dir: Path, baseline_dir: Path, samples: list[Sample], 
     """
     out = []
     for sample in samples:
-        with safe_open(str(backend_dir / f"hs_{sample.index}.safetensors"), "pt") as f:
+        with safe_open(str(backend_dir / layout.file_name(sample.sample_id)), "pt") as f:
             ours, ours_ids = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
-        with safe_open(str(baseline_dir / f"hs_{sample.index}.safetensors"), "pt") as f:
+        with safe_open(str(baseline_dir / layout.file_name(sample.sample_id)), "pt") as f:
             theirs = f.get_tensor("hidden_states")
         out.append({
-            "index": sample.index, "tokens": len(sample.token_ids),
+            "sample_id": sample.sample_id, "tokens": len(sample.token_ids),
             "token_ids_match": ours_ids.tolist() == sample.token_ids,
             "shape_match": list(ours.shape) == list(theirs.shape),
             "aux_relative_error": [relative_error(ours[:, k], theirs[:, k]) for k in range(aux_slots)],
@@ -516,7 +517,7 @@ def main() -> None:
 
     if args.keep:
         (args.scratch / "samples.json").write_text(json.dumps(
-            [{"index": s.index, "sample_id": s.sample_id, "tokens": len(s.token_ids)} for s in samples]))  # fmt: skip
+            [{"sample_id": s.sample_id, "tokens": len(s.token_ids)} for s in samples]))  # fmt: skip
     else:
         shutil.rmtree(args.scratch / "backend")
 

@@ -7,9 +7,11 @@ hashed, fsynced, renamed and journaled, ``os.sync()`` at the end) over the same
 samples in ``extract.storage`` full (bf16) and fp8, in the order full, fp8,
 fp8, full; the mean of each storage's two runs is reported beside its disk
 roofline (disk bandwidth over its bytes per token) and the compute roofline.
-Last, the fp8 files are read back through speculators' ``FP8Transfer`` and
-compared with the bf16 files of the same samples (the fidelity check's
-measure: max |difference| over max |bf16 value|, per layer slot).
+Last, the fp8 files are read back through speculators' ``FP8Transfer`` (over
+a folder of view links, ``hs_<row>`` -> the shard's ``hs_<sample id>``, as a
+training view has them) and compared with the bf16 files of the same samples
+(the fidelity check's measure: max |difference| over max |bf16 value|, per
+layer slot).
 
     python3 bench/gpu/fp8_bench.py --shape 8b --out $OUT          # on the GPU
     .venv/bin/python bench/gpu/fp8_bench.py --shape tiny --device cpu --samples 24 --mean-tokens 200 --run-seconds 2
@@ -32,6 +34,7 @@ from safetensors.torch import load_file
 
 from draftflow.extract.fidelity import relative_errors
 from draftflow.extract.hidden_states import STORAGES
+from draftflow.extract import layout
 from draftflow.extract.layout import hidden_state_bytes
 from draftflow.extract.transformers_backend import compile_decoder_layers
 from draftflow.layers import resolve_layer_ids
@@ -93,11 +96,17 @@ def main() -> None:
             shutil.rmtree(directory)
         save()
     full_dir, fp8_dir = args.scratch / "full-0/shard-0", args.scratch / "fp8-1/shard-0"
-    reader = FP8Transfer(fp8_dir, dequantize_dtype=torch.float32)
+    # FP8Transfer reads hs_<row>, as in a training view: link the rows to the shard's files
+    links = args.scratch / "fp8-view"
+    links.mkdir()
+    compared = samples[:8]
+    for row, sample in enumerate(compared):
+        (links / layout.view_file_name(row)).symlink_to((fp8_dir / layout.file_name(sample.sample_id)).resolve())
+    reader = FP8Transfer(links, dequantize_dtype=torch.float32)
     worst = [0.0] * len(layer_ids)
-    for sample in samples[:8]:
-        reference = load_file(full_dir / f"hs_{sample.index}.safetensors")["hidden_states"]
-        read = reader.get_cached(sample.index)["hidden_states"]
+    for row, sample in enumerate(compared):
+        reference = load_file(full_dir / layout.file_name(sample.sample_id))["hidden_states"]
+        read = reader.get_cached(row)["hidden_states"]
         worst = [max(w, e) for w, e in zip(worst, relative_errors(reference, read), strict=True)]
     report["fp8_vs_bf16_max_relative_error_per_layer"] = dict(zip(map(str, layer_ids), worst, strict=True))
     mean = {s: statistics.mean(r["tok_s"] for r in runs if r["storage"] == s) for s in STORAGES}

@@ -249,7 +249,7 @@ def extract_main(args) -> None:
             os.replace(scratch / name / "part-0" / "shard-0", keep)
             samples = make_samples(args.samples, args.mean_tokens, shape["vocab_size"])
             (keep / "samples.json").write_text(json.dumps(
-                [{"index": s.index, "sample_id": s.sample_id, "tokens": len(s.token_ids)} for s in samples]))  # fmt: skip
+                [{"sample_id": s.sample_id, "tokens": len(s.token_ids)} for s in samples]))  # fmt: skip
         shutil.rmtree(scratch / name, ignore_errors=True)
         os.sync()
         save()

@@ -51,6 +51,8 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from draftflow.extract import layout  # noqa: E402
+
 SHAPES = {
     "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, draft_vocab_size=32000),
@@ -93,11 +95,11 @@ def synthetic_hidden_states(directory: Path, count: int, mean_tokens: int, shape
 
     def write(sample):
         states = torch.randn(len(sample.token_ids), len(layer_ids), shape["hidden_size"]).to(torch.bfloat16)
-        write_sample(directory, sample.index, sample.sample_id, to_storage(states, storage), torch.tensor(sample.token_ids))
+        write_sample(directory, sample.sample_id, to_storage(states, storage), torch.tensor(sample.token_ids))
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(write, samples))
-    rows = [{"index": s.index, "sample_id": s.sample_id, "tokens": len(s.token_ids)} for s in samples]
+    rows = [{"sample_id": s.sample_id, "tokens": len(s.token_ids)} for s in samples]
     return rows
 
 
@@ -110,7 +112,7 @@ def build_view(hs_dir: Path, rows: list[dict], view: Path) -> dict:
 
     input_ids, loss_masks = [], []
     for row in rows:
-        with safe_open(str(hs_dir / f"hs_{row['index']}.safetensors"), "pt") as f:
+        with safe_open(str(hs_dir / layout.file_name(row["sample_id"])), "pt") as f:
             ids = f.get_tensor("token_ids").tolist()
         prompt = len(ids) // 5
         input_ids.append(ids)
@@ -126,7 +128,8 @@ def build_view(hs_dir: Path, rows: list[dict], view: Path) -> dict:
     dataset.save_to_disk(str(view))
     (view / "hidden_states").mkdir()
     for position, row in enumerate(rows):
-        (view / "hidden_states" / f"hs_{position}.safetensors").symlink_to((hs_dir / f"hs_{row['index']}.safetensors").resolve())
+        link = view / "hidden_states" / layout.view_file_name(position)
+        link.symlink_to((hs_dir / layout.file_name(row["sample_id"])).resolve())
     tokens = sum(len(i) for i in input_ids)
     return {"samples": len(rows), "tokens": tokens, "supervised_tokens": sum(sum(m) for m in loss_masks)}
 
@@ -156,7 +159,7 @@ def prepare(shape: dict, layer_ids: list[int], work: Path, hs_dir: Path | None, 
     data = build_view(hs_dir, rows, view)
     frequencies: dict[int, int] = {}
     for row in rows:
-        with safe_open(str(hs_dir / f"hs_{row['index']}.safetensors"), "pt") as f:
+        with safe_open(str(hs_dir / layout.file_name(row["sample_id"])), "pt") as f:
             for token in f.get_tensor("token_ids").tolist():
                 frequencies[token] = frequencies.get(token, 0) + 1
     d2t, t2d = build_vocab_mappings_from_distribution(frequencies, shape["draft_vocab_size"], shape["vocab_size"])

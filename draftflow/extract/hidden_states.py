@@ -1,4 +1,4 @@
-"""speculators' offline hidden-state files: one ``hs_{i}.safetensors`` per sample.
+"""speculators' offline hidden-state files: one ``.safetensors`` per sample.
 
 Each holds ``hidden_states [seq, n_layer_ids, hidden]`` (the last slot is the
 final layer's output before the norm) and ``token_ids [seq]``. In ``fp8``
@@ -19,11 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor, quantize_tensor_to_fp8
+from hs_connectors.fp8_utils import (
+    SCALES_KEY,
+    dequantize_fp8_tensor,
+    quantize_tensor_to_fp8,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from draftflow.extract.layout import WrittenFile, file_name, temp_file
+from draftflow.extract.layout import WrittenFile, file_name, temp_file, token_digest
 
 SAFETENSORS_DTYPES = {
     torch.int64: "I64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3",
@@ -82,7 +86,7 @@ def safetensors_parts(hidden_states: torch.Tensor | Fp8States, token_ids: torch.
 
 
 def write_sample(
-    directory: Path, index: int, sample_id: str, hidden_states: torch.Tensor | Fp8States, token_ids: torch.Tensor
+    directory: Path, sample_id: str, hidden_states: torch.Tensor | Fp8States, token_ids: torch.Tensor
 ) -> WrittenFile:
     """Write one sample atomically (temp file, fsync, rename); return its record.
 
@@ -95,7 +99,7 @@ def write_sample(
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)
-    path = directory / file_name(index)
+    path = directory / file_name(sample_id)
     tmp = temp_file(path)
     try:
         with tmp.open("wb") as stream:
@@ -114,8 +118,8 @@ def write_sample(
         raise
     os.replace(tmp, path)
     return WrittenFile(
-        index=index,
         sample_id=sample_id,
+        token_digest=token_digest(token_ids.tolist()),
         tokens=int(token_ids.numel()),
         bytes=size,
         sha256=digest.hexdigest(),
@@ -129,6 +133,16 @@ def opens_cleanly(path: Path) -> bool:
             return True
     except Exception:  # noqa: BLE001 - any parse failure means "redo this file"
         return False
+
+
+def read_token_ids(path: Path) -> list[int] | None:
+    """The token ids a file holds (its smallest tensor, read alone); None when it
+    does not parse."""
+    try:
+        with safe_open(str(path), framework="pt") as stream:
+            return stream.get_tensor("token_ids").tolist()
+    except Exception:  # noqa: BLE001 - any parse failure means "not this sample's file"
+        return None
 
 
 def payload_states(payload: dict[str, torch.Tensor]) -> torch.Tensor | Fp8States:

@@ -4,8 +4,8 @@ The only module that spells the stage's file names; standard library only, so
 the progress check and the plan import it without torch::
 
     plan.json                      extract_plan: samples per shard, shard per server job, bytes
-    shard-<k>/hs_<i>.safetensors   one per sample (i: the prepared dataset's row)
-    shard-<k>/.hs_<i>.safetensors.tmp   a file being written
+    shard-<k>/hs_<id>.safetensors  one per sample (id: its sample id, never its row)
+    shard-<k>/.hs_<id>.safetensors.tmp  a file being written
     shard-<k>/journal.jsonl        settings key, then one WrittenFile per finished file
     shard-<k>.heartbeat.json       the shard's state while it runs
     shard-<k>.json                 the shard's manifest, written when it is done
@@ -15,7 +15,9 @@ the progress check and the plan import it without torch::
 
 from __future__ import annotations
 
+import hashlib
 import json
+from array import array
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,33 +33,70 @@ HEADER_BYTES_MAX = 320  # safetensors' JSON header for the two (fp8: three) tens
 
 
 @dataclass(frozen=True)
+class ExtractionSettings:
+    """Everything that determines a shard's file contents."""
+
+    backend: str
+    layer_ids: tuple[int, ...]
+    dtype: str
+    target_fingerprint: str
+    storage: str = "full"
+
+    def key(self) -> str:
+        # Full storage keeps the key it had before fp8 existed: an upgrade must not
+        # re-extract shards whose files are still right.
+        fields = {k: v for k, v in asdict(self).items() if k != "storage" or v != "full"}
+        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
+
+
+def shard_of(sample_id: str, num_shards: int) -> int:
+    """Stable shard of a sample: independent of the other samples and their count."""
+    return int(hashlib.sha256(sample_id.encode()).hexdigest()[:12], 16) % num_shards
+
+
+@dataclass(frozen=True)
 class Sample:
-    index: int  # row of the prepared dataset; the file is hs_{index}.safetensors
+    index: int  # row of the prepared dataset now; nothing on disk depends on it
     sample_id: str
     token_ids: list[int]
+
+    @property
+    def token_digest(self) -> str:
+        return token_digest(self.token_ids)
 
 
 @dataclass(frozen=True)
 class WrittenFile:
-    """A journal line: one finished file."""
+    """A journal line: one finished file, and the identity of what it holds."""
 
-    index: int
     sample_id: str
+    token_digest: str  # of the token ids it was extracted from (token_digest)
     tokens: int
     bytes: int
     sha256: str
 
 
-def file_name(index: int) -> str:
-    """A sample's hidden-state file, as speculators names them."""
-    return f"{FILE_PREFIX}{index}{FILE_SUFFIX}"
+def token_digest(token_ids: list[int]) -> str:
+    """A sample's identity in its shard beside its id: the same id with other tokens
+    (another answer, a shorter max_seq_length) is another file's work."""
+    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()[:32]
 
 
-def file_index(name: str) -> int | None:
-    """The row of a finished file's name; None for any other name."""
-    if name.startswith(FILE_PREFIX) and name.endswith(FILE_SUFFIX):
-        number = name[len(FILE_PREFIX) : -len(FILE_SUFFIX)]
-        return int(number) if number.isdigit() else None
+def file_name(sample_id: str) -> str:
+    """A sample's hidden-state file in its shard: named by sample id (ids are safe as
+    file names, draftflow.prompts), so no row move can hand it to another sample."""
+    return f"{FILE_PREFIX}{sample_id}{FILE_SUFFIX}"
+
+
+def view_file_name(row: int) -> str:
+    """A row's link in a training view, as speculators' ArrowDataset reads it."""
+    return f"{FILE_PREFIX}{row}{FILE_SUFFIX}"
+
+
+def file_sample_id(name: str) -> str | None:
+    """The sample id of a finished file's name; None for any other name."""
+    if name.startswith(FILE_PREFIX) and name.endswith(FILE_SUFFIX) and len(name) > len(FILE_PREFIX + FILE_SUFFIX):
+        return name[len(FILE_PREFIX) : -len(FILE_SUFFIX)]
     return None
 
 
@@ -98,9 +137,9 @@ def server_manifest_path(hs_dir: Path | str, server: int | str) -> Path:
     return Path(hs_dir) / f"server-{server}.json"
 
 
-def manifest_file_entry(shard: int, index: int) -> str:
+def manifest_file_entry(shard: int, sample_id: str) -> str:
     """A file as a shard manifest lists it: relative to the hidden_states folder."""
-    return f"{shard_dir('', shard).name}/{file_name(index)}"
+    return f"{shard_dir('', shard).name}/{file_name(sample_id)}"
 
 
 def numbered_outputs(hs_dir: Path) -> list[tuple[str, int, Path]]:
@@ -121,7 +160,7 @@ def hidden_state_files(hs_dir: Path) -> list[Path]:
         for kind, _, folder in numbered_outputs(hs_dir)
         if kind == "shard" and folder.is_dir()
         for path in folder.iterdir()
-        if file_index(path.name) is not None
+        if file_sample_id(path.name) is not None
     ]
 
 
@@ -129,13 +168,30 @@ def heartbeats(hs_dir: Path) -> list[Path]:
     return sorted(Path(hs_dir).glob("shard-*.heartbeat.json"))
 
 
+def vouched_files(shard_directory: Path, settings_key: str, samples: list[Sample]) -> dict[str, WrittenFile]:
+    """The journal's records, by sample id, of ``samples`` as they are now (their token
+    digest), for these settings, whose file is on disk with the recorded size."""
+    key, records = read_journal(journal_path(shard_directory))
+    if key != settings_key:
+        return {}
+    vouched = {}
+    for sample in samples:
+        record = records.get(sample.sample_id)
+        path = shard_directory / file_name(sample.sample_id)
+        if record is not None and record.token_digest == sample.token_digest and path.exists():
+            if path.stat().st_size == record.bytes:
+                vouched[sample.sample_id] = record
+    return vouched
+
+
 def journal_line(record: WrittenFile | dict) -> str:
     return json.dumps(asdict(record) if isinstance(record, WrittenFile) else record)
 
 
-def read_journal(path: Path) -> tuple[str | None, dict[int, WrittenFile]]:
-    """(settings key, records by row). A line torn by a kill is skipped; a later
-    record of the same row replaces an earlier one."""
+def read_journal(path: Path) -> tuple[str | None, dict[str, WrittenFile]]:
+    """(settings key, records by sample id). A line torn by a kill, or written before
+    files were named by sample id, is skipped; a later record of the same sample
+    replaces an earlier one."""
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
@@ -152,5 +208,5 @@ def read_journal(path: Path) -> tuple[str | None, dict[int, WrittenFile]]:
             record = WrittenFile(**json.loads(line))
         except (json.JSONDecodeError, TypeError):
             continue
-        records[record.index] = record
+        records[record.sample_id] = record
     return key, records

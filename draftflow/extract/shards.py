@@ -7,8 +7,6 @@ through its shards (shard ``k`` belongs to server ``k % servers``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import time
@@ -16,37 +14,21 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from datasets import load_from_disk
 
 from draftflow.extract import layout
-from draftflow.extract.hidden_states import Fp8States, to_storage, write_sample
-from draftflow.extract.layout import Sample, WrittenFile
+from draftflow.extract.hidden_states import (
+    Fp8States,
+    read_token_ids,
+    to_storage,
+    write_sample,
+)
+from draftflow.extract.layout import ExtractionSettings, Sample, WrittenFile, shard_of
 from draftflow.io import write_json
-
-@dataclass(frozen=True)
-class ExtractionSettings:
-    """Everything that determines a shard's file contents."""
-
-    backend: str
-    layer_ids: tuple[int, ...]
-    dtype: str
-    target_fingerprint: str
-    storage: str = "full"
-
-    def key(self) -> str:
-        # Full storage keeps the key it had before fp8 existed: an upgrade must not
-        # re-extract shards whose files are still right.
-        fields = {k: v for k, v in asdict(self).items() if k != "storage" or v != "full"}
-        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
-
-
-def shard_of(sample_id: str, num_shards: int) -> int:
-    """Stable shard of a sample: independent of the other samples and their count."""
-    return int(hashlib.sha256(sample_id.encode()).hexdigest()[:12], 16) % num_shards
 
 
 def load_samples(dataset_dir: Path) -> list[Sample]:
@@ -69,9 +51,12 @@ Extractor = Callable[[list[Sample]], Iterator[tuple[Sample, torch.Tensor | Fp8St
 class ShardJournal:
     """Append-only record of finished files; what a rerun trusts and skips.
 
-    A file counts as done only when the journal lists it with its size, so a
-    file written but not yet journaled when the job died is simply redone.
-    The first line holds the settings key: other settings start the shard over.
+    A file counts as done for a sample only when the journal lists it for that
+    sample's id and token ids, with its size, and the file holds those token ids:
+    a file written but not yet journaled when the job died, another sample's file
+    under this name, or a file of the same id extracted from other tokens (an
+    edit upstream) is redone. The first line holds the settings key: other
+    settings start the shard over.
     """
 
     def __init__(self, shard_dir: Path, settings: ExtractionSettings):
@@ -79,17 +64,17 @@ class ShardJournal:
         self.shard_dir = shard_dir
         self.settings_key = settings.key()
 
-    def completed(self) -> dict[int, WrittenFile]:
-        key, records = layout.read_journal(self.path)
-        if key != self.settings_key:
-            return {}
+    def completed(self, samples: list[Sample]) -> dict[str, WrittenFile]:
+        """The records, by sample id, of the files that hold ``samples`` as they are now."""
+        vouched = layout.vouched_files(self.shard_dir, self.settings_key, samples)
         return {
-            index: record
-            for index, record in records.items()
-            if (path := self.shard_dir / layout.file_name(index)).exists() and path.stat().st_size == record.bytes
+            sample.sample_id: vouched[sample.sample_id]
+            for sample in samples
+            if sample.sample_id in vouched
+            and read_token_ids(self.shard_dir / layout.file_name(sample.sample_id)) == sample.token_ids
         }
 
-    def restart(self, kept: dict[int, WrittenFile]) -> None:
+    def restart(self, kept: dict[str, WrittenFile]) -> None:
         """Rewrite the journal with the settings key and the records still valid."""
         lines = [layout.journal_line({"settings_key": self.settings_key})]
         lines += [layout.journal_line(record) for record in kept.values()]
@@ -145,12 +130,16 @@ class Heartbeat:
         self._last_write = time.monotonic()
 
 
-def remove_leftovers(shard_dir: Path, done: dict[int, WrittenFile]) -> None:
-    """Delete temp files and files the journal does not vouch for."""
+def remove_leftovers(shard_dir: Path, done: dict[str, WrittenFile]) -> int:
+    """Delete temp files and the files no sample of the shard claims as done now;
+    the count of finished files deleted."""
+    removed = 0
     for path in shard_dir.iterdir():
-        index = layout.file_index(path.name)
-        if layout.is_temp_file(path.name) or (index is not None and index not in done):
+        sample_id = layout.file_sample_id(path.name)
+        if layout.is_temp_file(path.name) or (sample_id is not None and sample_id not in done):
             path.unlink()
+            removed += sample_id is not None
+    return removed
 
 
 def run_shard(
@@ -175,23 +164,26 @@ def run_shard(
     """
     shard_dir.mkdir(parents=True, exist_ok=True)
     journal = ShardJournal(shard_dir, settings)
-    done = journal.completed()
-    remove_leftovers(shard_dir, done)
+    done = journal.completed(samples)
+    removed = remove_leftovers(shard_dir, done)
     journal.restart(done)
-    todo = [s for s in samples if s.index not in done]
+    todo = [s for s in samples if s.sample_id not in done]
     heartbeat = Heartbeat(heartbeat_path, shard, samples, loads_model=bool(todo) and not model_loaded)
     for record in done.values():
         heartbeat.add(record)
-    print(f"shard {shard}: {len(done)} of {len(samples)} samples already on disk")
+    print(
+        f"shard {shard}: {len(done)} of {len(samples)} samples already on disk, {len(todo)} to extract; "
+        f"{removed} file(s) that no sample claims now removed"
+    )
     if not todo:
         heartbeat.set_status("done")
-        return [done[s.index] for s in samples]
+        return [done[s.sample_id] for s in samples]
 
     def finish(future: Future) -> None:
         record = future.result()  # on disk: written, fsynced, renamed (or the write's error)
         journal.append(record)
         heartbeat.add(record)
-        done[record.index] = record
+        done[record.sample_id] = record
 
     def drain(pending: deque) -> BaseException | None:
         failure = None
@@ -221,7 +213,7 @@ def run_shard(
         heartbeat.set_status("failed")
         raise
     heartbeat.set_status("done")
-    return [done[s.index] for s in samples]
+    return [done[s.sample_id] for s in samples]
 
 
 class SharedExtractor:
@@ -263,8 +255,10 @@ def run_server(
 ) -> list[dict]:
     """Extract the shards of one server job, one after another, with one model
     load; returns their manifests, each written as its shard finishes.
-    ``samples`` are the prepared dataset's rows; the plan says which go where."""
+    ``samples`` are the prepared dataset's rows; the plan says which go where, by
+    sample id."""
     shards = [shard for shard in plan["shards"] if shard["server"] == server]
+    by_id = {sample.sample_id: sample for sample in samples}
     for shard in shards:  # a manifest says "done" to the progress check: none may predate this run
         layout.shard_manifest_path(output_dir, shard["shard"]).unlink(missing_ok=True)
     manifests = []
@@ -272,7 +266,7 @@ def run_server(
         for shard in shards:
             number = shard["shard"]
             records = run_shard(
-                [samples[index] for index, _ in shard["samples"]],
+                [by_id[sample_id] for sample_id, _, _ in shard["samples"]],
                 number,
                 layout.shard_dir(output_dir, number),
                 layout.heartbeat_path(output_dir, number),
@@ -291,7 +285,7 @@ def run_server(
 def write_stored(shard_dir: Path, sample: Sample, hidden_states: torch.Tensor | Fp8States, storage: str) -> WrittenFile:
     """On a writer thread: quantized there for fp8, in parallel with the next samples."""
     token_ids = torch.tensor(sample.token_ids, dtype=torch.int64)
-    return write_sample(shard_dir, sample.index, sample.sample_id, to_storage(hidden_states, storage), token_ids)
+    return write_sample(shard_dir, sample.sample_id, to_storage(hidden_states, storage), token_ids)
 
 
 def shard_manifest(
@@ -315,7 +309,7 @@ def shard_manifest(
         "samples": len(records),
         "tokens": sum(r.tokens for r in records),
         "bytes": sum(r.bytes for r in records),
-        "files": [{"file": layout.manifest_file_entry(shard, r.index), **asdict(r)} for r in records],
+        "files": [{"file": layout.manifest_file_entry(shard, r.sample_id), **asdict(r)} for r in records],
     }
 
 
@@ -337,39 +331,58 @@ def remove_stale_shards(output_dir: Path, num_shards: int, servers: int) -> list
     return removed
 
 
+def reusable_samples(output_dir: Path, samples: list[Sample], num_shards: int, settings: ExtractionSettings) -> set[str]:
+    """The samples whose files their shard's next run keeps (ShardJournal.completed)."""
+    return {
+        sample_id
+        for shard in range(num_shards)
+        for sample_id in ShardJournal(layout.shard_dir(output_dir, shard), settings).completed(
+            shard_samples(samples, shard, num_shards)
+        )
+    }
+
+
 def plan_extraction(
     samples: list[Sample],
     num_shards: int,
     servers: int,
-    layer_ids: list[int],
+    settings: ExtractionSettings,
     hidden_size: int,
-    dtype: str,
-    storage: str,
+    reused: set[str] = frozenset(),
 ) -> dict:
-    """Which sample goes to which shard and shard to which server job, and the
-    exact bytes each shard writes."""
+    """Which sample goes to which shard and shard to which server job, the exact
+    bytes each shard holds, and of them the bytes it writes: the ``reused``
+    samples' files stay."""
+    layer_ids = list(settings.layer_ids)
     shards = [
         {
             "shard": k,
             "server": k % servers,
-            "samples": [[s.index, len(s.token_ids)] for s in shard_samples(samples, k, num_shards)],
+            "samples": [[s.sample_id, len(s.token_ids), s.token_digest] for s in shard_samples(samples, k, num_shards)],
         }
         for k in range(num_shards)
     ]
     for shard in shards:
-        shard["bytes"] = sum(
-            layout.hidden_state_bytes(tokens, len(layer_ids), hidden_size, dtype, storage) for _, tokens in shard["samples"]
-        )
+        sizes = {
+            sample_id: layout.hidden_state_bytes(tokens, len(layer_ids), hidden_size, settings.dtype, settings.storage)
+            for sample_id, tokens, _ in shard["samples"]
+        }
+        shard["bytes"] = sum(sizes.values())
+        shard["reused"] = sum(sample_id in reused for sample_id in sizes)
+        shard["bytes_to_write"] = sum(size for sample_id, size in sizes.items() if sample_id not in reused)
     return {
         "num_shards": num_shards,
         "servers": servers,
+        "settings": asdict(settings),
         "layer_ids": layer_ids,
         "hidden_size": hidden_size,
-        "dtype": dtype,
-        "storage": storage,
+        "dtype": settings.dtype,
+        "storage": settings.storage,
         "samples": len(samples),
         "tokens": sum(len(s.token_ids) for s in samples),
         "bytes": sum(shard["bytes"] for shard in shards),
+        "reused": sum(shard["reused"] for shard in shards),
+        "bytes_to_write": sum(shard["bytes_to_write"] for shard in shards),
         "shards": shards,
     }
 

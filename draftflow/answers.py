@@ -1,0 +1,87 @@
+"""The answer store: every answer generation got, found by what was asked.
+
+``results/<run>/synthetic/work/answers-<key>.jsonl`` holds speculators' client
+rows for one target and one set of generation settings (``<key>``), each asked
+under its conversation's content key (``conversation_key``) instead of its id;
+``answers-<key>.errors.jsonl`` beside it holds the client's errors. Standard
+library only: the plan reads it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from draftflow.fingerprint import target_fingerprint
+from draftflow.prompts import content_hash
+
+
+def iter_complete_lines(path: Path) -> Iterator[dict]:
+    """Rows of a JSONL file that a writer may be appending to: a last line without
+    its newline is not yet a row."""
+    if not path.exists():
+        return
+    with path.open("rb") as stream:
+        for line in stream:
+            if line.endswith(b"\n") and line.strip():
+                yield json.loads(line)
+
+
+def answer_store(work_dir: Path, target: str | Path, max_tokens: int, temperature: float, seed: int) -> Path:
+    """The answers of every conversation asked of this target with these settings,
+    in any run of this folder, keyed by each conversation's content
+    (``conversation_key``): a rerun asks only the conversations it lacks, wherever
+    they sit in the prompts now.
+
+    It is not a declared output, so Snakemake keeps it when the job fails or the
+    prompts change; other settings or another target use another store.
+    """
+    shaping = [target_fingerprint(target), str(Path(target).resolve()), max_tokens, temperature, seed]
+    key = hashlib.sha256(json.dumps(shaping).encode()).hexdigest()[:16]
+    return work_dir / f"answers-{key}.jsonl"
+
+
+def conversation_key(conversation: dict) -> str:
+    """What the target answers: the turns, not the id or the position."""
+    return content_hash(conversation["messages"])
+
+
+def unasked(conversations: list[dict], store: Path) -> list[dict]:
+    """The conversations the store holds no answer for, under their key as id (the
+    client keeps the id as each answer's ``primary_id``)."""
+    answered = set(stored_answers(store))
+    return [
+        {**conversation, "id": key}
+        for conversation in conversations
+        if (key := conversation_key(conversation)) not in answered
+    ]
+
+
+def stored_answers(store: Path) -> dict[str, list[dict]]:
+    """The store's rows by conversation key; a last line torn by a kill is skipped."""
+    by_key: dict[str, list[dict]] = {}
+    for row in iter_complete_lines(store):
+        by_key.setdefault(row["primary_id"], []).append(row)
+    return by_key
+
+
+def stored_rows(store: Path, conversations: list[dict]) -> list[dict]:
+    """The store's answers to ``conversations``, as a run that asked exactly these
+    would have written them: their ids and positions, not those they were asked under."""
+    by_key = stored_answers(store)
+    return [
+        as_asked(row, conversation["id"], position)
+        for position, conversation in enumerate(conversations)
+        for row in by_key.get(conversation_key(conversation), [])
+    ]
+
+
+def as_asked(row: dict, conversation_id: str, position: int) -> dict:
+    """A stored row (answer or error) under the id and position of the conversation now."""
+    key = row.get("primary_id", row["id"])
+    renamed = {**row, "id": conversation_id + row["id"][len(key):], "metadata": {**row["metadata"], "idx": position}}
+    if "primary_id" in row:
+        renamed["primary_id"] = conversation_id
+    return renamed

@@ -1,0 +1,44 @@
+"""Which generated rows ``prepare`` keeps, and the tokens each keeps: standard
+library only, so the plan knows them before prepare runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PrepareStats:
+    rows_in: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped_too_long: int = 0
+    dropped_too_few_supervised_tokens: int = 0
+    tokens: int = 0
+    supervised_tokens: int = 0
+
+
+def select_rows(
+    rows: list[dict], max_length: int, minimum_valid_tokens: int, on_too_long: str, stats: PrepareStats
+) -> list[dict]:
+    """Rows that fit ``max_length`` (or are truncated to it, per ``on_too_long``)
+    and keep at least ``minimum_valid_tokens`` supervised tokens."""
+    kept = []
+    for row in rows:
+        if on_too_long == "drop" and len(row["input_ids"]) > max_length:
+            stats.dropped_too_long += 1
+            continue
+        supervised = sum(row["loss_mask"][:max_length])
+        if supervised < minimum_valid_tokens:
+            stats.dropped_too_few_supervised_tokens += 1
+            continue
+        stats.truncated += len(row["input_ids"]) > max_length
+        stats.tokens += min(len(row["input_ids"]), max_length)
+        stats.supervised_tokens += supervised
+        kept.append(row)
+    stats.kept = len(kept)
+    return kept
+
+
+def prepared_token_ids(row: dict, max_length: int) -> list[int]:
+    """A kept row's token ids in the prepared dataset: speculators truncates to ``max_length``."""
+    return row["input_ids"][:max_length]

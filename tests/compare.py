@@ -1,0 +1,55 @@
+"""Two runs' files compared as the reproducibility claims word it: the same bytes,
+but for what records when, where or in which order the work happened."""
+
+from __future__ import annotations
+
+import json
+from fnmatch import fnmatch
+from pathlib import Path
+
+# Files that record when, where or in which order the work happened, not what it made.
+IN_COMPLETION_ORDER = ("hidden_states/shard-*/journal.jsonl",)
+# Stats fields that say how long this run worked, or how much of the answers it asked itself.
+TIMINGS = {"synthetic/stats.json": {"wall_seconds", "response_tokens_per_second", "conversations_asked", "response_tokens_generated"},
+           "train/stats.json": {"seconds_this_run", "supervised_tokens_per_second"}}  # fmt: skip
+NOT_COMPARED = {
+    "synthetic/work/*": "the answer store: rows as asked (under content keys, naming the server's random port), "
+    "also those of other configs of the folder (generated.jsonl, compared, is this config's, as asked)",
+    "plan.md": "free space and the rates of earlier runs, at the start; the first run in a folder has none",
+    "plan.json": "free space and the rates of earlier runs, at the start; the first run in a folder has none",
+    "hidden_states/plan.json": "free space at the start, and the files earlier runs left to keep",
+    "hidden_states/progress.json": "when it was checked",
+    "hidden_states/progress.txt": "when it was checked",
+    "hidden_states/shard-*.heartbeat.json": "process ids and times",
+    "drafter_untrained/run.yaml": "speculators records its temporary save folder",
+    "drafter_untrained/train_command.txt": "speculators records the time",
+    "drafter_untrained/speculators.patch": "speculators records the uncommitted changes of the checkout that ran",
+    "provenance.json": "digests of plan.json and drafter_untrained (above)",
+    "report/*": "stage runtimes",
+}
+
+
+def files_under(results: Path) -> set[str]:
+    return {str(path.relative_to(results)) for path in results.rglob("*") if path.is_file()}
+
+
+def assert_same_files(first: Path, second: Path, renames: dict[bytes, bytes] | None = None) -> set[str]:
+    """Assert that two runs' ``results/<run>`` hold the same files with the same content
+    (``renames``: bytes of ``second`` that name its own place, as ``first`` names it);
+    the names compared."""
+    compared = lambda results: {n for n in files_under(results) if not any(fnmatch(n, p) for p in NOT_COMPARED)}  # noqa: E731
+    names = compared(first)
+    assert names == compared(second)
+    for name in sorted(names):
+        one, other = first / name, second / name
+        if any(fnmatch(name, pattern) for pattern in IN_COMPLETION_ORDER):
+            assert sorted(one.read_text().splitlines()) == sorted(other.read_text().splitlines()), name
+        elif name in TIMINGS:
+            timed = [{k: v for k, v in json.loads(r.read_text()).items() if k not in TIMINGS[name]} for r in (one, other)]
+            assert timed[0] == timed[1], name
+        else:
+            data = other.read_bytes()
+            for theirs, ours in (renames or {}).items():
+                data = data.replace(theirs, ours)
+            assert one.read_bytes() == data, name
+    return names

@@ -1,0 +1,311 @@
+"""Partial rebuilds reuse a sample's work only for that sample (issue 22).
+
+A tiny target (the Qwen3-MoE twin) answers a start config; four edits follow it:
+more samples, a prompt file added, another temperature, a shorter
+``prepare.max_seq_length``. Each edit runs twice: on a copy of the start run's
+folder (incremental: what a user's second run does) and in a fresh folder
+(clean). The tests open the files both leave: the hidden states that training
+and evaluation read hold their rows' tokens; generation asked, and extraction
+computed, exactly the conversations and samples the edit made new; and the
+incremental run's files are the clean run's, byte for byte.
+
+Every run generates through one vLLM server of the module (``generate.endpoint``,
+started with the flags the workflow gives its own), so its request counter says
+exactly what each run asked, and no run pays a server start. Generation asks one
+conversation at a time and extraction (the transformers backend) computes one
+sample at a time, so that no answer or state depends on which others shared its
+batch: a clean run and an incremental run batch differently by design.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import urllib.request
+from pathlib import Path
+
+import pytest
+from datasets import load_from_disk
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from draftflow.extract import layout
+from draftflow.io import iter_jsonl, write_jsonl
+from draftflow.vllm_server import server_env, target_server_args, vllm_server
+from tests.compare import assert_same_files
+from tests.conftest import demo_config, snakemake
+from tests.twins import build_twin
+
+pytestmark = pytest.mark.slow
+
+MODULES = (
+    "os", "json", "re", "math", "itertools", "functools", "collections", "pathlib", "shutil", "heapq",
+    "bisect", "textwrap", "datetime", "random", "statistics", "string", "struct", "zlib", "hashlib", "base64",
+    "csv", "argparse", "logging", "threading", "queue", "contextlib", "dataclasses", "enum", "typing", "operator",
+)  # fmt: skip
+RUN = "edit"
+PROMPTS, MORE_PROMPTS = "prompts.jsonl", "more-prompts.jsonl"  # in each run's folder, as a user keeps them
+EDITS = ("num_samples_grown", "prompt_file_added", "temperature_changed", "max_seq_length_lowered")
+# checked for what they redo and for the files training would read (run up to the training
+# views), not against a clean run
+EDITS_NOT_RUN_CLEAN = ("num_samples_shrunk", "prompt_edited_in_place")
+
+
+def questions(prefix: str, modules) -> list[dict]:
+    return [
+        {"id": f"{prefix}{i}", "messages": [{"role": "user", "content": f"What is the {m} module for, and when would you use it?"}]}
+        for i, m in enumerate(modules)
+    ]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory) -> Path:
+    """The target and two prompt files, shared by every run of the module."""
+    lab = tmp_path_factory.mktemp("incremental")
+    build_twin("qwen3_moe", lab / "target")
+    write_jsonl(lab / PROMPTS, questions("q", MODULES[:24]))
+    write_jsonl(lab / MORE_PROMPTS, questions("r", MODULES[24:]))
+    return lab
+
+
+def new_folder(lab: Path, name: str) -> Path:
+    """A run's own folder, with its own copy of the prompt files."""
+    folder = lab / name
+    folder.mkdir()
+    for prompts in (PROMPTS, MORE_PROMPTS):
+        shutil.copy(lab / prompts, folder / prompts)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(lab) -> str:
+    """The target served as the workflow serves it for generation; its base URL."""
+    settings = config(lab, "unused")
+    args = target_server_args(settings["vllm"], dtype="float32", device="cpu", seed=settings["seed"], trust_remote_code=False)
+    env = server_env(settings["vllm"], "cpu")
+    with vllm_server(str(lab / "target"), args, lab / "server.log", health_timeout_s=600, env=env) as url:
+        yield url
+
+
+def requests_served(url: str) -> int:
+    """vLLM's own count of the requests it finished."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:
+        lines = reply.read().decode().splitlines()
+    return round(sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:request_success_total")))
+
+
+def config(lab: Path, endpoint: str, **overrides) -> dict:
+    base = demo_config(
+        run=RUN,
+        target={"path": str(lab / "target")},
+        data={"prompt_files": [PROMPTS], "num_samples": 16},
+        vllm={"max_model_len": 512},
+        generate={"max_tokens": 48, "concurrency": 1, "endpoint": endpoint},
+        prepare={"max_seq_length": 256},
+        vocab={"draft_vocab_size": 64, "coverage_sizes": [16, 32, 64]},
+        extract={"backend": "transformers", "token_budget": 1, "shards": 2, "layer_ids": [1, 2, 3], "fidelity": "never"},
+        train={"epochs": 1, "heldout_fraction": 0.25},
+        evaluate={"min_acceptance_length": 1.0, "serve_check": False},
+    )
+    for section, values in overrides.items():
+        base[section] = {**base[section], **values}
+    return base
+
+
+@pytest.fixture(scope="module")
+def start(lab, server) -> Path:
+    """The start config, run once: the folder every incremental run copies."""
+    folder = new_folder(lab, "start")
+    snakemake(folder, config(lab, server))
+    return folder
+
+
+def prepared_rows(folder: Path) -> dict[str, list[int]]:
+    dataset = load_from_disk(str(folder / f"results/{RUN}/prepared/dataset")).with_format(None)
+    return dict(zip(dataset["sample_id"], dataset["input_ids"], strict=True))
+
+
+def edit_overrides(edit: str, lab: Path, start: Path) -> dict:
+    """The config sections an edit changes (the shorter max_seq_length: the start's median row length)."""
+    if edit == "num_samples_grown":
+        return {"data": {"num_samples": 20}}
+    if edit == "num_samples_shrunk":
+        return {"data": {"num_samples": 12}}
+    if edit == "prompt_file_added":
+        return {"data": {"prompt_files": [PROMPTS, MORE_PROMPTS]}}
+    if edit == "prompt_edited_in_place":
+        return {}
+    if edit == "temperature_changed":
+        return {"generate": {"temperature": 0.8}}
+    lengths = sorted(len(ids) for ids in prepared_rows(start).values())
+    return {"prepare": {"max_seq_length": lengths[len(lengths) // 2]}}  # cuts about half of the rows
+
+
+@pytest.fixture(scope="module")
+def edit_runs(lab, server, start):
+    """Each edit of the start config, run once when a test first asks for it: on a copy
+    of the start's folder (incremental) and, for EDITS, in a fresh folder (clean)."""
+    done = {}
+
+    def run(edit: str) -> dict:
+        if edit not in done:
+            done[edit] = run_edit(edit, lab, server, start, clean=edit in EDITS)
+        return done[edit]
+
+    return run
+
+
+@pytest.fixture(params=EDITS)
+def edited(request, edit_runs) -> dict:
+    return edit_runs(request.param)
+
+
+@pytest.fixture(params=EDITS + EDITS_NOT_RUN_CLEAN)
+def any_edit(request, edit_runs) -> dict:
+    return edit_runs(request.param)
+
+
+def run_edit(edit: str, lab: Path, server: str, start: Path, clean: bool) -> dict:
+    """The edited config run incrementally (and clean); the requests the incremental run made."""
+    edited_config = config(lab, server, **edit_overrides(edit, lab, start))
+    incremental = copy_of(start, lab / f"incremental-{edit}")
+    if edit == "prompt_edited_in_place":
+        edit_two_questions(incremental / PROMPTS, list(asked_conversations(start))[:2])
+    served = requests_served(server)
+    snakemake(incremental, edited_config, *([] if clean else [f"results/{RUN}/training_data/split.json"]))
+    run = {"edit": edit, "incremental": incremental, "start": start, "requests": requests_served(server) - served}
+    if clean:
+        run["clean"] = new_folder(lab, f"clean-{edit}")
+        snakemake(run["clean"], edited_config)
+    return run
+
+
+def edit_two_questions(prompts: Path, ids: list[str]) -> None:
+    """Two of the asked questions with other words under the same ids, as a user fixes a
+    prompt file in place (each stays drawn, or another question is drawn instead)."""
+    rows = list(iter_jsonl(prompts))
+    for row in rows:
+        if row["id"] in ids:
+            row["messages"][0]["content"] += " Give one example."
+    write_jsonl(prompts, rows)
+
+
+def results(folder: Path) -> Path:
+    return folder / f"results/{RUN}"
+
+
+def log(folder: Path, rule: str) -> str:
+    return (folder / f"logs/{RUN}/{rule}.log").read_text()
+
+
+def test_every_file_training_and_evaluation_read_holds_its_rows_tokens(any_edit):
+    run = any_edit["incremental"]
+    rows = prepared_rows(run)
+    seen = set()
+    for view in ("train", "heldout"):
+        dataset = load_from_disk(str(results(run) / "training_data" / view)).with_format(None)
+        for row, (sample_id, token_ids) in enumerate(zip(dataset["sample_id"], dataset["input_ids"], strict=True)):
+            assert rows[sample_id] == token_ids, sample_id
+            with safe_open(str(results(run) / "training_data" / view / f"hidden_states/hs_{row}.safetensors"), "pt") as f:
+                assert f.get_tensor("token_ids").tolist() == token_ids, (view, row, sample_id)
+            seen.add(sample_id)
+    assert seen == set(rows)
+
+
+def asked_conversations(folder: Path) -> dict[str, list]:
+    return {c["id"]: c["messages"] for c in iter_jsonl(results(folder) / "prompts/conversations.jsonl")}
+
+
+def test_generation_asked_and_extraction_computed_exactly_what_the_edit_made_new(any_edit):
+    run, start, edit = any_edit["incremental"], any_edit["start"], any_edit["edit"]
+    before, now = asked_conversations(start), asked_conversations(run)
+    answered_before = [] if edit == "temperature_changed" else list(before.values())
+    new_conversations = [c for c, messages in now.items() if messages not in answered_before]
+    assert any_edit["requests"] == len(new_conversations)  # the server's count: one request per single-turn question
+    generate = log(run, "generate")
+    assert f"{len(now)} conversations: {len(now) - len(new_conversations)} answered before" in generate
+    assert f", {len(new_conversations)} to ask" in generate
+    assert bool(re.search(r"Pipeline complete in [\d.]+s", generate)) == bool(new_conversations)  # the client ran
+
+    old_rows, new_rows = prepared_rows(start), prepared_rows(run)
+    changed = {s for s, ids in new_rows.items() if old_rows.get(s) != ids}
+    extracted = sum(int(n) for n in re.findall(r"samples already on disk, (\d+) to extract", log(run, "extract_server-0")))
+    assert extracted == len(changed)
+    hs_before, hs_now = results(start) / "hidden_states", results(run) / "hidden_states"
+    files_before = {p.name: p.stat().st_mtime_ns for p in layout.hidden_state_files(hs_before)}
+    files_now = {p.name: p.stat().st_mtime_ns for p in layout.hidden_state_files(hs_now)}
+    assert set(files_now) == {layout.file_name(s) for s in new_rows}  # no file that no row claims
+    rewritten = {name for name, mtime in files_now.items() if files_before.get(name) != mtime}
+    assert rewritten == {layout.file_name(s) for s in changed}
+    if edit in ("num_samples_grown", "prompt_file_added"):
+        assert 0 < len(changed) < len(new_rows) and 0 < len(new_conversations) < len(now)
+    elif edit == "max_seq_length_lowered":
+        assert 0 < len(changed) < len(new_rows) and not new_conversations
+    elif edit == "num_samples_shrunk":
+        assert not changed and not new_conversations and len(new_rows) < len(old_rows)
+    elif edit == "prompt_edited_in_place":
+        assert 0 < len(new_conversations) <= 2 and 0 < len(changed) <= 2
+
+    plan = json.loads((results(run) / "plan.json").read_text())  # written as the rerun started
+    stages = {s["name"]: s for s in plan["stages"]}
+    assert (stages["generate"]["reused"], stages["generate"]["computed"]) == (len(now) - len(new_conversations), len(new_conversations))
+    assert (stages["extract_server"]["reused"], stages["extract_server"]["computed"]) == (len(new_rows) - len(changed), len(changed))
+    assert plan["tokens"]["samples"] == len(new_rows)
+    assert stages["generate"]["model_loads"] == 0  # generate.endpoint: the module's server
+    assert (stages["generate"]["seconds"] == 0) == (not new_conversations)
+    assert (stages["extract_server"]["model_loads"] == 0) == (not changed)
+
+
+def test_the_incremental_run_makes_the_clean_runs_files(edited):
+    clean, incremental = (results(edited[k]) for k in ("clean", "incremental"))
+    compared = assert_same_files(clean, incremental, {str(edited["incremental"]).encode(): str(edited["clean"]).encode()})
+    assert {"synthetic/generated.jsonl", "prepared/dataset/state.json", "drafter/model.safetensors",
+            "evaluation/evaluation.json"} <= compared  # fmt: skip
+    assert sum(name.startswith("hidden_states/shard-") and name.endswith(".safetensors") for name in compared) == len(
+        prepared_rows(edited["clean"])
+    )
+
+
+def copy_of(start: Path, folder: Path) -> Path:
+    """The start run's folder as a user's second run finds it, its logs left out."""
+    shutil.copytree(start, folder, symlinks=True, ignore=shutil.ignore_patterns("logs"))
+    return folder
+
+
+def same_shape_impostor(real: Path, other: Path) -> dict:
+    """Another sample's states and token ids, cut or repeated to ``real``'s length: a
+    file of the right name and size that holds the wrong sample."""
+    length = load_file(real)["token_ids"].numel()
+    tensors = load_file(other)
+    repeat = -(-length // tensors["token_ids"].numel())
+    return {name: tensor.repeat(repeat, *[1] * (tensor.dim() - 1))[:length].contiguous() for name, tensor in tensors.items()}
+
+
+def test_a_file_of_another_sample_under_a_samples_name_is_extracted_again(lab, server, start):
+    folder = copy_of(start, lab / "planted")
+    shard = results(folder) / "hidden_states/shard-0"
+    victim, other = sorted(shard.glob("hs_*.safetensors"))[:2]
+    original = victim.read_bytes()
+    save_file(same_shape_impostor(victim, other), str(victim))
+    assert victim.stat().st_size == len(original) and victim.read_bytes() != original
+    snakemake(folder, config(lab, server), f"results/{RUN}/hidden_states/manifest.json", "--forcerun", "extract_server")
+    assert "shard 0: " in log(folder, "extract_server-0") and ", 1 to extract;" in log(folder, "extract_server-0")
+    assert victim.read_bytes() == original
+
+
+def test_training_and_evaluation_refuse_a_file_whose_token_ids_are_not_its_rows(lab, server, start):
+    folder = copy_of(start, lab / "mismatched")
+    # evaluate first: a failed train job's outputs are gone, and evaluate would train again
+    for view, rule, output in (("heldout", "evaluate", "evaluation/evaluation.json"), ("train", "train", "drafter")):
+        links = results(folder) / "training_data" / view / "hidden_states"
+        victim, other = (links / f"hs_{row}.safetensors" for row in (0, 1))
+        sample_id = load_from_disk(str(links.parent)).with_format(None)["sample_id"][0]
+        real = victim.resolve()
+        shutil.copyfile(other.resolve(), real)
+        process = snakemake(folder, config(lab, server), f"results/{RUN}/{output}", "--forcerun", rule, check=False)
+        assert process.returncode != 0
+        message = log(folder, rule)
+        assert f"Hidden-state file {real} of sample {sample_id} (row 0 of" in message
+        assert "snakemake --forcerun extract_server" in message
+        shutil.copyfile(results(start) / real.relative_to(results(folder)), real)  # put it back for the next rule
