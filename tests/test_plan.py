@@ -77,10 +77,12 @@ def test_sixty_four_servers_would_spend_the_stage_loading(reference_run):
 
 
 @pytest.mark.slow
-def test_the_demo_plan_after_prepare_holds_the_bytes_the_demo_wrote(workdir, demo_run):
+def test_the_demo_plan_after_prepare_holds_the_bytes_the_demo_wrote(workdir, demo_run, tmp_path):
     """Token counts exact, later stages estimated: within 1% of the run's bytes (its stage times:
     tests/test_resume_reproducibility.py, against a second run)."""
-    config = load_config(workdir / "config-demo.yaml")
+    config_file = tmp_path / "config.yaml"  # the demo's config, not whatever another test left in the folder
+    config_file.write_text(yaml.safe_dump(demo_config()))
+    config = load_config(config_file)
     plan = build_plan(config, demo_run, rates_from_run(demo_run), free_bytes=10**12, local_gpus=0)
     assert plan.tokens["source"].startswith("exact")
     written = tree_bytes(demo_run) - sum(p.stat().st_size for p in demo_run.glob("plan.*"))  # the plan's own files

