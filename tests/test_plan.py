@@ -88,4 +88,9 @@ def test_the_demo_plan_after_prepare_holds_the_bytes_the_demo_wrote(workdir, dem
     written = tree_bytes(demo_run) - sum(p.stat().st_size for p in demo_run.glob("plan.*"))  # the plan's own files
     assert plan.total_bytes == pytest.approx(written, rel=0.01)
     extract = next(s for s in plan.stages if s.name == "extract_server")
-    assert demo_config()["extract"]["shards"] == 2 and (extract.jobs, extract.model_loads) == (1, 1)
+    assert demo_config()["extract"]["shards"] == 2 and extract.jobs == 1
+    # the demo's own config again: every answer and every hidden-state file is kept, nothing loads a model
+    generate = next(s for s in plan.stages if s.name == "generate")
+    samples = plan.tokens["samples"]
+    assert (generate.reused, generate.computed, generate.model_loads) == (samples, 0, 0)
+    assert (extract.reused, extract.computed, extract.model_loads) == (samples, 0, 0)

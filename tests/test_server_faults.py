@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from draftflow.answers import conversation_key
 from draftflow.extract import layout
 from draftflow.io import iter_jsonl
 from draftflow.vllm_server import free_port
@@ -71,7 +72,7 @@ def test_server_killed_mid_generation_fails_clearly_and_a_rerun_resumes(tmp_path
     code, server_pid = kill_server_during(tmp_path, config, target, lambda: lines(partial_generation(results)) >= 10)
 
     partial = partial_generation(results)
-    answered = {row["primary_id"] for row in iter_jsonl(partial)}
+    answered = {row["primary_id"] for row in iter_jsonl(partial)}  # conversation keys, as the store files them
     log = (tmp_path / "logs/demo/generate.log").read_text()
     assert code != 0
     assert "Retrying in" in log
@@ -84,7 +85,8 @@ def test_server_killed_mid_generation_fails_clearly_and_a_rerun_resumes(tmp_path
     asked = [row["id"] for row in iter_jsonl(results / "prompts/conversations.jsonl")]
     generated = [row["primary_id"] for row in iter_jsonl(results / "synthetic/generated.jsonl")]
     assert sorted(generated) == sorted(asked) and len(asked) == 60
-    assert answered <= set(generated) and lines(results / "synthetic/errors.jsonl") == 0
+    keys = {row["id"]: conversation_key(row) for row in iter_jsonl(results / "prompts/conversations.jsonl")}
+    assert answered <= {keys[conversation] for conversation in generated} and lines(results / "synthetic/errors.jsonl") == 0
     log = (tmp_path / "logs/demo/generate.log").read_text()
     asked_again = re.findall(r"Pipeline complete in [\d.]+s: (\d+) conversations", log)
     assert asked_again == [str(60 - len(answered))]
@@ -160,7 +162,7 @@ def test_errors_from_a_live_server_count_against_the_budget_and_a_rerun_asks_onl
     partial = partial_generation(results)
     assert "2 of 20 conversations failed (more than generate.max_error_fraction=0.05)" in log
     assert f"their errors are in {partial.with_name(partial.stem + '.errors.jsonl').relative_to(tmp_path)}" in log
-    assert {row["primary_id"] for row in iter_jsonl(partial)} == {row["id"] for row in rows} - too_long
+    assert {row["primary_id"] for row in iter_jsonl(partial)} == {conversation_key(row) for row in rows if row["id"] not in too_long}
     assert not (results / "synthetic/generated.jsonl").exists()
 
     assert generate(0.1).returncode == 0
