@@ -67,10 +67,10 @@ def stored_answers(store: Path) -> dict[str, list[dict]]:
     return by_key
 
 
-def stored_rows(store: Path, conversations: list[dict]) -> list[dict]:
-    """The store's answers to ``conversations``, as a run that asked exactly these
-    would have written them: their ids and positions, not those they were asked under."""
-    by_key = stored_answers(store)
+def stored_rows(by_key: dict[str, list[dict]], conversations: list[dict]) -> list[dict]:
+    """The stored answers (``stored_answers``) to ``conversations``, as a run that asked
+    exactly these would have written them: their ids and positions, not those they
+    were asked under."""
     return [
         as_asked(row, conversation["id"], position)
         for position, conversation in enumerate(conversations)

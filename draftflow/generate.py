@@ -17,7 +17,13 @@ from statistics import mean
 from speculators.data_generation.vllm_client import RETRY_BACKOFF_BASE
 from transformers import AutoTokenizer
 
-from draftflow.answers import as_asked, conversation_key, stored_rows, unasked
+from draftflow.answers import (
+    as_asked,
+    conversation_key,
+    stored_answers,
+    stored_rows,
+    unasked,
+)
 from draftflow.auth_proxy import api_key_from_env, authenticating_proxy
 from draftflow.io import iter_jsonl, write_json, write_jsonl
 from draftflow.vllm_server import ServerGoneError, is_healthy, log_excerpt
@@ -215,7 +221,7 @@ def finish(
     server's port is random and would make reruns differ.
     """
     asked = list(iter_jsonl(conversations))
-    rows = sorted(stored_rows(store, asked), key=lambda row: row["id"])
+    rows = sorted(stored_rows(stored_answers(store), asked), key=lambda row: row["id"])
     for row in rows:
         row["metadata"]["endpoint"] = endpoint
     if not rows:

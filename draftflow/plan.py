@@ -253,9 +253,9 @@ def token_counts(config: dict, run_dir: Path, rates: Rates, target_dir: Path, la
     data, generate, prepare = config["data"], config["generate"], config["prepare"]
     conversations, _ = select_prompts(prompt_files, data["num_samples"], config["seed"], data["on_bad_row"])
     store = answer_store(run_dir / "synthetic/work", target_dir, generate["max_tokens"], generate["temperature"], config["seed"])
-    answered = set(stored_answers(store))
-    new = [c for c in conversations if conversation_key(c) not in answered]
-    rows = stored_rows(store, conversations)
+    answers = stored_answers(store)
+    new = [c for c in conversations if conversation_key(c) not in answers]
+    rows = stored_rows(answers, conversations)
     max_length = prepare["max_seq_length"]
     kept = select_rows(rows, max_length, prepare["minimum_valid_tokens"], prepare["on_too_long"], PrepareStats())
     known = [Sample(row, r["id"], prepared_token_ids(r, max_length)) for row, r in enumerate(kept)]
@@ -288,13 +288,12 @@ def token_counts(config: dict, run_dir: Path, rates: Rates, target_dir: Path, la
 
 def extracted_before(hs_dir: Path, settings: ExtractionSettings, samples: list[Sample], num_shards: int) -> set[str]:
     """The samples whose hidden-state files a shard journal vouches for (layout.vouched_files)."""
-    by_shard: dict[int, list[Sample]] = {}
-    for sample in samples:
-        by_shard.setdefault(layout.shard_of(sample.sample_id, num_shards), []).append(sample)
     return {
         sample_id
-        for shard, members in by_shard.items()
-        for sample_id in layout.vouched_files(layout.shard_dir(hs_dir, shard), settings.key(), members)
+        for shard in range(num_shards)
+        for sample_id in layout.vouched_files(
+            layout.shard_dir(hs_dir, shard), settings.key(), layout.shard_samples(samples, shard, num_shards)
+        )
     }
 
 

@@ -22,18 +22,14 @@ from draftflow.extract.hidden_states import (
 )
 from draftflow.extract.layout import (
     HEADER_BYTES_MAX,
+    ExtractionSettings,
     Sample,
     WrittenFile,
     hidden_state_bytes,
+    shard_of,
     token_digest,
 )
-from draftflow.extract.shards import (
-    ExtractionSettings,
-    ShardJournal,
-    plan_extraction,
-    run_shard,
-    shard_of,
-)
+from draftflow.extract.shards import ShardJournal, plan_extraction, run_shard
 from draftflow.extract.transformers_backend import (
     batches_by_token_budget,
     transformers_extractor,

@@ -18,15 +18,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftflow.costs import drafter_parameters
 from draftflow.extract import layout
-from draftflow.extract.layout import HEADER_BYTES_MAX
-from draftflow.extract.shards import (
+from draftflow.extract.layout import (
+    HEADER_BYTES_MAX,
     ExtractionSettings,
     Sample,
-    plan_extraction,
-    run_shard,
-    shard_manifest,
     shard_samples,
 )
+from draftflow.extract.shards import plan_extraction, run_shard, shard_manifest
 from draftflow.extract.transformers_backend import transformers_extractor
 from draftflow.io import write_json
 from draftflow.layers import resolve_layer_ids

@@ -51,7 +51,7 @@ sys.path[:0] = [str(REPO), str(HERE)]
 
 from extract_bench import SHAPES, disk_write, length_stats, log, make_samples  # noqa: E402
 
-from draftflow.extract.shards import shard_samples  # noqa: E402
+from draftflow.extract.layout import shard_samples  # noqa: E402
 from draftflow.gpus import claim_gpus, device_source, default_lock_dir  # noqa: E402
 from draftflow.layers import resolve_layer_ids  # noqa: E402
 

@@ -54,6 +54,10 @@ def shard_of(sample_id: str, num_shards: int) -> int:
     return int(hashlib.sha256(sample_id.encode()).hexdigest()[:12], 16) % num_shards
 
 
+def shard_samples(samples: list[Sample], shard: int, num_shards: int) -> list[Sample]:
+    return [s for s in samples if shard_of(s.sample_id, num_shards) == shard]
+
+
 @dataclass(frozen=True)
 class Sample:
     index: int  # row of the prepared dataset now; nothing on disk depends on it
@@ -178,9 +182,8 @@ def vouched_files(shard_directory: Path, settings_key: str, samples: list[Sample
     for sample in samples:
         record = records.get(sample.sample_id)
         path = shard_directory / file_name(sample.sample_id)
-        if record is not None and record.token_digest == sample.token_digest and path.exists():
-            if path.stat().st_size == record.bytes:
-                vouched[sample.sample_id] = record
+        if record and record.token_digest == sample.token_digest and path.exists() and path.stat().st_size == record.bytes:
+            vouched[sample.sample_id] = record
     return vouched
 
 

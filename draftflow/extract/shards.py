@@ -27,7 +27,12 @@ from draftflow.extract.hidden_states import (
     to_storage,
     write_sample,
 )
-from draftflow.extract.layout import ExtractionSettings, Sample, WrittenFile, shard_of
+from draftflow.extract.layout import (
+    ExtractionSettings,
+    Sample,
+    WrittenFile,
+    shard_samples,
+)
 from draftflow.io import write_json
 
 
@@ -39,10 +44,6 @@ def load_samples(dataset_dir: Path) -> list[Sample]:
             zip(dataset["sample_id"], dataset["input_ids"], strict=True)
         )
     ]
-
-
-def shard_samples(samples: list[Sample], shard: int, num_shards: int) -> list[Sample]:
-    return [s for s in samples if shard_of(s.sample_id, num_shards) == shard]
 
 
 Extractor = Callable[[list[Sample]], Iterator[tuple[Sample, torch.Tensor | Fp8States]]]
