@@ -140,9 +140,10 @@ class Checkpoint:
         if not self.path.exists():
             return None
         state = torch.load(self.path, weights_only=False)
-        return state if state["settings_key"] == self.settings_key else None
+        # a checkpoint saved before it kept its loss history starts training over
+        return state if state["settings_key"] == self.settings_key and "history" in state else None
 
-    def save(self, model, optimizer, scheduler, epoch: int, step_in_epoch: int, global_step: int) -> None:
+    def save(self, model, optimizer, scheduler, epoch: int, step_in_epoch: int, global_step: int, history: list) -> None:
         state = {
             "settings_key": self.settings_key,
             "model": model.state_dict(),
@@ -151,6 +152,7 @@ class Checkpoint:
             "epoch": epoch,
             "step_in_epoch": step_in_epoch,
             "global_step": global_step,
+            "history": history,  # the losses so far: a resumed run reports every step's
         }
         with atomic_path(self.path) as tmp:
             torch.save(state, tmp)
@@ -167,14 +169,14 @@ def train_on_cpu(init_dir: Path, view_dir: Path, settings: TrainSettings, work_d
     scheduler = get_cosine_schedule_with_warmup(optimizer, settings.warmup_steps, total_steps)
     loss_config = resolve_loss_config(settings.loss_fn, "eager")
     checkpoint = Checkpoint(work_dir / "checkpoint.pt", settings)
-    start_epoch, skip_steps, global_step = 0, 0, 0
+    start_epoch, skip_steps, global_step, history = 0, 0, 0, []
     if state := checkpoint.load():
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, skip_steps, global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        history = state["history"]
         print(f"resuming at epoch {start_epoch}, step {skip_steps} (global step {global_step})")
-    history = []
     started = time.monotonic()
     tokens = 0
     model.train()
@@ -200,7 +202,7 @@ def train_on_cpu(init_dir: Path, view_dir: Path, settings: TrainSettings, work_d
             progress.update(1)
             progress.set_postfix(loss=f"{loss.item():.3f}", epoch=epoch)
             if global_step % settings.checkpoint_every_steps == 0:
-                checkpoint.save(model, optimizer, scheduler, epoch, step, global_step)
+                checkpoint.save(model, optimizer, scheduler, epoch, step, global_step, history)
         skip_steps = 0
     progress.close()
     seconds = time.monotonic() - started

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,23 +29,41 @@ def demo_config(**overrides) -> dict:
 
 
 def snakemake(
-    workdir: Path, config: dict, *args: str, check: bool = True
+    workdir: Path, config: dict, *args: str, check: bool = True, workflow: Path = REPO
 ) -> subprocess.CompletedProcess:
-    """Run the workflow in ``workdir`` with ``config``; output is captured."""
+    """Run the workflow (the checkout's, or a ``workflow_copy``) in ``workdir`` with
+    ``config``; output is captured."""
     config_path = workdir / f"config-{config['run']}.yaml"
     config_path.write_text(yaml.safe_dump(config))
     command = [
         str(SNAKEMAKE),
-        "--snakefile", str(REPO / "Snakefile"),
+        "--snakefile", str(workflow / "Snakefile"),
         "--directory", str(workdir),
         "--configfile", str(config_path),
         "--cores", "2",
         *args,
     ]  # fmt: skip
-    process = subprocess.run(command, capture_output=True, text=True)
+    # a copy's own draftflow, ahead of the checkout's that the venv's .pth file names
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(workflow), os.environ.get("PYTHONPATH")]))}
+    process = subprocess.run(command, capture_output=True, text=True, env=env)
     if check and process.returncode != 0:
         pytest.fail(f"snakemake failed ({process.returncode}):\n{process.stderr[-6000:]}")
     return process
+
+
+WORKFLOW_FILES = ("Snakefile", "rules", "scripts", "draftflow", "config", "envs", "profiles", "pyproject.toml")
+
+
+def workflow_copy(folder: Path) -> Path:
+    """The workflow's code copied into ``folder``, for a test that edits it: the
+    checkout, which other tests and runs execute, stays as it is."""
+    for name in WORKFLOW_FILES:
+        source, target = REPO / name, folder / name
+        if source.is_dir():
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, target)
+    return folder
 
 
 # `make test` runs two pytest-xdist workers. The modules whose tests read the demo run
@@ -83,7 +102,6 @@ def workdir(tmp_path_factory) -> Path:
 # the tests leave idle. Name of the fixture that waits for one -> its config, and the
 # demo's stages it starts from (copied).
 BACKGROUND_RUNS = {
-    "second_demo_run": (lambda: demo_config(run="again"), ()),
     # the demo's samples in fp8 storage (issue 15), its report set beside the demo's
     "fp8_run": (
         lambda: demo_config(run="fp8", extract={"storage": "fp8"}, report={"compare_runs": ["demo"]}),
@@ -111,12 +129,6 @@ BACKGROUND = pytest.StashKey[dict]()
 
 
 @pytest.fixture(scope="session")
-def second_demo_run(request, demo_run) -> Path:
-    """The demo config again under another run name, uninterrupted."""
-    return background_run(request, "second_demo_run")
-
-
-@pytest.fixture(scope="session")
 def fp8_run(request, demo_run) -> Path:
     """The demo's prompts, answers, tokens, vocabulary and untrained drafter, extracted in
     fp8 storage, trained, evaluated and served; its report compares it with the demo."""
@@ -130,26 +142,50 @@ def background_run(request, name: str) -> Path:
     """Wait for the background run ``name`` (BACKGROUND_RUNS), at most
     BACKGROUND_RUN_TIMEOUT_S; its results directory."""
     process = request.config.stash[BACKGROUND][name]
-    workdir, run = Path(process.args[process.args.index("--directory") + 1]), BACKGROUND_RUNS[name][0]()["run"]
-    output = workdir / f"snakemake-{run}.out"
-    try:
-        failed = process.wait(timeout=BACKGROUND_RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        stop_group(process)
-        pytest.fail(f"the background run {name} ran past {BACKGROUND_RUN_TIMEOUT_S} s and was stopped:\n{output.read_text()[-6000:]}")
-    if failed:
-        pytest.fail(f"the background run {name} failed ({process.returncode}):\n{output.read_text()[-6000:]}")
-    return workdir / "results" / run
+    if returncode := wait_for_exit(process, BACKGROUND_RUN_TIMEOUT_S):
+        pytest.fail(f"the background run {name} failed ({returncode}):\n{output_tail(process)}")
+    return process.workdir / "results" / BACKGROUND_RUNS[name][0]()["run"]
 
 
-def start_snakemake(workdir: Path, config: dict) -> subprocess.Popen:
-    """The workflow in the background; its output in ``workdir/snakemake-<run>.out``."""
+def start_snakemake(workdir: Path, config: dict, *args: str) -> subprocess.Popen:
+    """The workflow in the background, in a process group of its own; its output in
+    ``workdir/snakemake-<run>.out`` (``output_tail``)."""
     config_path = workdir / f"config-{config['run']}.yaml"
     config_path.write_text(yaml.safe_dump(config))
     command = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
-               "--configfile", str(config_path), "--cores", "2"]  # fmt: skip
-    with (workdir / f"snakemake-{config['run']}.out").open("w") as output:
-        return subprocess.Popen(command, start_new_session=True, stdout=output, stderr=subprocess.STDOUT)
+               "--configfile", str(config_path), "--cores", "2", *args]  # fmt: skip
+    output_path = workdir / f"snakemake-{config['run']}.out"
+    with output_path.open("w") as output:
+        process = subprocess.Popen(command, start_new_session=True, stdout=output, stderr=subprocess.STDOUT)
+    process.workdir, process.output_path = workdir, output_path
+    return process
+
+
+def output_tail(process: subprocess.Popen) -> str:
+    return process.output_path.read_text()[-6000:]
+
+
+def wait_until(ready, process: subprocess.Popen, timeout_s: float, moment: str) -> None:
+    """Poll ``ready()`` while the background workflow runs; fail, with its output's
+    tail, when it ends first or ``timeout_s`` pass (a bound for a broken run, not a pace)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if process.poll() is not None:
+            pytest.fail(f"the workflow ended ({process.returncode}) before {moment}:\n{output_tail(process)}")
+        if time.monotonic() > deadline:
+            stop_group(process)
+            pytest.fail(f"{moment} did not come in {timeout_s} s:\n{output_tail(process)}")
+        time.sleep(0.05)
+
+
+def wait_for_exit(process: subprocess.Popen, timeout_s: float) -> int:
+    """The background workflow's exit code; stopped, failing with its output's tail,
+    after ``timeout_s``."""
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_group(process)
+        pytest.fail(f"the workflow ran past {timeout_s} s and was stopped:\n{output_tail(process)}")
 
 
 def stop_group(process: subprocess.Popen) -> None:

@@ -1,21 +1,18 @@
 """Hidden-state extraction on the demo, through Snakemake and the vLLM CPU backend."""
 
 import json
-import os
 import re
-import signal
 import subprocess
 import time
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from speculators.train.data import ArrowDataset
 
 from draftflow.fingerprint import file_sha256
 from draftflow.vllm_server import free_port
-from tests.conftest import REPO, SNAKEMAKE, copy_demo_run, demo_config, snakemake
+from tests.conftest import copy_demo_run, demo_config, snakemake, start_snakemake, stop_group, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -84,19 +81,12 @@ def test_a_killed_server_job_resumes_each_of_its_shards_from_its_journal(tmp_pat
         path.unlink()
     shard_0_files = sorted(p.name for p in (hidden_states / "shard-0").glob("hs_*.safetensors"))
     config = demo_config(vllm={"port": free_port("127.0.0.1")})
-    config_path = tmp_path / "config-demo.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    command = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
-               "--configfile", str(config_path), "--cores", "1", "extract"]  # fmt: skip
-    process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = start_snakemake(tmp_path, config, "--cores", "1", "extract")
     journal = shard_dir / "journal.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and (not journal.exists() or len(journal.read_text().splitlines()) < 12):
-        assert process.poll() is None, "snakemake ended before shard 1 started"
-        time.sleep(0.05)
-    done_before_kill = len(journal.read_text().splitlines()) - 1
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    written = lambda: journal.read_bytes().count(b"\n") if journal.exists() else 0  # noqa: E731 (complete lines)
+    wait_until(lambda: written() >= 12, process, 1200, "shard 1's 11th file")
+    done_before_kill = written() - 1
+    stop_group(process)
     assert 10 < done_before_kill < 100, "the kill did not land mid-shard"
 
     snakemake(tmp_path, config, "--unlock")  # a killed Snakemake leaves its lock

@@ -8,7 +8,7 @@ import pytest
 
 from draftflow.extract.shards import remove_stale_shards
 from draftflow.vllm_server import START_MARKER
-from tests.conftest import REPO, copy_demo_run, demo_config, snakemake
+from tests.conftest import REPO, copy_demo_run, demo_config, snakemake, workflow_copy
 
 pytestmark = pytest.mark.slow
 
@@ -18,9 +18,9 @@ FROM_GENERATE = {
 }  # fmt: skip
 
 
-def planned_jobs(workdir: Path, config: dict) -> dict[str, int]:
+def planned_jobs(workdir: Path, config: dict, workflow: Path = REPO) -> dict[str, int]:
     """Rule -> jobs, from the `Job stats` table of `snakemake -n` (the `all` target left out)."""
-    output = snakemake(workdir, config, "-n").stdout
+    output = snakemake(workdir, config, "-n", workflow=workflow).stdout
     if "Nothing to be done" in output:
         return {}
     table = output.split("Job stats:", 1)[1].split("\n\n", 1)[0]
@@ -28,8 +28,8 @@ def planned_jobs(workdir: Path, config: dict) -> dict[str, int]:
     return {name: count for name, count in jobs.items() if name not in ("all", "total")}
 
 
-def planned_rules(workdir: Path, config: dict) -> set[str]:
-    return set(planned_jobs(workdir, config))
+def planned_rules(workdir: Path, config: dict, workflow: Path = REPO) -> set[str]:
+    return set(planned_jobs(workdir, config, workflow))
 
 
 @pytest.fixture(scope="module")
@@ -75,18 +75,16 @@ def test_new_prompt_file_reruns_everything(settled):
     assert planned_rules(settled, demo_config(data={"prompt_files": files})) == {"prompts"} | FROM_GENERATE
 
 
-def test_editing_training_code_reruns_training_not_generation(settled):
-    module = REPO / "draftflow/train.py"
-    original = module.read_text()
-    try:
-        module.write_text(original + "\n# an edit\n")
-        planned = planned_rules(settled, demo_config())
-    finally:
-        module.write_text(original)
+def test_editing_training_code_reruns_training_not_generation(settled, tmp_path):
+    workflow = workflow_copy(tmp_path)
+    assert planned_rules(settled, demo_config(), workflow) == set()  # the copy is the code that ran
+    with (workflow / "draftflow/train.py").open("a") as module:
+        module.write("\n# an edit\n")
+    planned = planned_rules(settled, demo_config(), workflow)
     assert planned == {"drafter_init", "train", "evaluate", "serve_check", "report", "provenance"}
 
 
-def test_changing_shard_count_reruns_every_shard(settled):
+def test_changing_shard_count_reruns_the_extraction_jobs_not_generation(settled):
     jobs = planned_jobs(settled, demo_config(extract={"shards": 3}))
     assert {"extract_plan": 1, "extract_server": 1, "extract": 1}.items() <= jobs.items() and "generate" not in jobs
 

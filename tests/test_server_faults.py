@@ -10,43 +10,35 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from draftflow.answers import conversation_key
 from draftflow.extract import layout
 from draftflow.io import iter_jsonl
 from draftflow.vllm_server import free_port
-from tests.conftest import REPO, SNAKEMAKE, copy_demo_run, demo_config, snakemake
+from tests.conftest import copy_demo_run, demo_config, snakemake, start_snakemake, wait_for_exit, wait_until
 from tests.test_extract_stage import assert_manifests_match_files
 
 pytestmark = pytest.mark.slow
 
 
-def kill_server_during(workdir: Path, config: dict, target: str, ready, timeout_s: float = 600) -> tuple[int, int]:
+def kill_server_during(workdir: Path, config: dict, target: str, ready, moment: str) -> tuple[int, int]:
     """Run the workflow to ``target`` and, once ``ready()`` holds, SIGKILL the API
     process of its server on ``vllm.port`` (not its engine workers).
 
     Returns the workflow's exit code and the killed server's pid.
     """
-    config_path = workdir / f"config-{config['run']}.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    command = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
-               "--configfile", str(config_path), "--cores", "2", target]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        assert process.poll() is None, "the workflow ended before the moment to kill its server"
-        assert time.monotonic() < deadline, "the moment to kill the server never came"
-        time.sleep(0.05)
+    process = start_snakemake(workdir, config, target)
+    wait_until(ready, process, 1200, moment)
     port = config["vllm"]["port"]
     found = subprocess.run(["pgrep", "-f", "--", f"--port {port}( |$)"], check=False, capture_output=True, text=True)
     pid = int(found.stdout.split()[0])
     os.kill(pid, signal.SIGKILL)
-    return process.wait(), pid
+    return wait_for_exit(process, 600), pid
 
 
 def lines(path: Path) -> int:
-    return sum(1 for _ in path.open()) if path.exists() else 0
+    """Complete lines: the writer may be mid-line."""
+    return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
 def partial_generation(results: Path) -> Path:
@@ -69,7 +61,7 @@ def test_server_killed_mid_generation_fails_clearly_and_a_rerun_resumes(tmp_path
     generate = {"concurrency": 4, "max_retries": 1}  # one retry, 2 s after the failure: a short wait
     config = demo_config(data={"num_samples": 60}, generate=generate, vllm={"port": free_port("127.0.0.1")})
     target = "results/demo/synthetic/stats.json"
-    code, server_pid = kill_server_during(tmp_path, config, target, lambda: lines(partial_generation(results)) >= 10)
+    code, server_pid = kill_server_during(tmp_path, config, target, lambda: lines(partial_generation(results)) >= 10, "10 answers")
 
     partial = partial_generation(results)
     answered = {row["primary_id"] for row in iter_jsonl(partial)}  # conversation keys, as the store files them
@@ -98,7 +90,7 @@ def test_server_killed_mid_extraction_fails_clearly_and_a_rerun_resumes(tmp_path
     config = demo_config(extract=extract, vllm={"port": free_port("127.0.0.1")})
     target = "results/demo/hidden_states/server-0.json"
     journal = results / "hidden_states/shard-0/journal.jsonl"
-    code, server_pid = kill_server_during(tmp_path, config, target, lambda: lines(journal) > 10)
+    code, server_pid = kill_server_during(tmp_path, config, target, lambda: lines(journal) > 10, "11 journal records")
 
     journaled = [json.loads(line)["sample_id"] for line in journal.read_text().splitlines()[1:]]
     total = json.loads((results / "hidden_states/plan.json").read_text())["samples"]
