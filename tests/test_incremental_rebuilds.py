@@ -30,8 +30,11 @@ from datasets import load_from_disk
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from draftflow.config import load_config
 from draftflow.extract import layout
 from draftflow.io import iter_jsonl, write_jsonl
+from draftflow.plan import build_plan, rates_from_run
+from draftflow.report import read_benchmark
 from draftflow.vllm_server import server_env, target_server_args, vllm_server
 from tests.compare import assert_same_files
 from tests.conftest import demo_config, snakemake
@@ -316,3 +319,33 @@ def test_training_and_evaluation_refuse_a_file_whose_token_ids_are_not_its_rows(
         assert f"Hidden-state file {real} of sample {sample_id} (row 0 of" in message
         assert "snakemake --forcerun extract_server" in message
         shutil.copyfile(results(start) / real.relative_to(results(folder)), real)  # put it back for the next rule
+
+
+# The plan of a config nothing has run yet, fed the start run's rates, against the clean run
+# of that config (4 more samples; generate through the module's server: no model load). The
+# bounds are what it measured on 2026-12-01 with room for the machine's load: hidden-state
+# bytes 0.82 of the files (prompt tokens by characters / 4 undercount the twin's rendered
+# prompts), the stages' times 0.6-1.7 of their benchmarks.
+PLAN_BYTES_WITHIN = (0.7, 1.05)
+PLAN_SECONDS_WITHIN = (0.4, 2.5)
+SCALED_STAGES = ("generate", "prepare", "extract_server", "train")
+
+
+def test_the_plan_from_another_runs_rates_foretells_a_larger_clean_run(lab, edit_runs, tmp_path):
+    grown = edit_runs("num_samples_grown")
+    clean, start = grown["clean"], grown["start"]
+    for prompts in (PROMPTS, MORE_PROMPTS):  # the folder as it was before the clean run: prompts only
+        shutil.copy(clean / prompts, tmp_path / prompts)
+    config = load_config(clean / f"config-{RUN}.yaml")
+    plan = build_plan(config, tmp_path / f"results/{RUN}", rates_from_run(results(start)), free_bytes=10**12, local_gpus=0)
+    stages = {stage.name: stage for stage in plan.stages}
+    assert plan.tokens["samples"] == len(prepared_rows(clean)) != len(prepared_rows(start))
+    assert stages["extract_server"].computed == len(prepared_rows(clean))
+    written = sum(path.stat().st_size for path in layout.hidden_state_files(results(clean) / "hidden_states"))
+    low, high = PLAN_BYTES_WITHIN
+    assert low <= stages["extract_server"].bytes_written / written <= high, (stages["extract_server"].bytes_written, written)
+    measured = {name: read_benchmark(clean / f"benchmarks/{RUN}/{name}{'-0' if name == 'extract_server' else ''}.tsv")["seconds"]
+                for name in SCALED_STAGES}  # fmt: skip
+    low, high = PLAN_SECONDS_WITHIN
+    ratios = {name: stages[name].seconds / seconds for name, seconds in measured.items()}
+    assert all(low <= ratio <= high for ratio in ratios.values()), ratios

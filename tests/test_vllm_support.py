@@ -86,7 +86,7 @@ def test_an_mla_target_runs_every_stage_but_serving_a_drafter(tmp_path):
     assert "generate (" not in message
 
 
-def test_the_workflow_stops_before_any_job_and_runs_with_the_ways_out(tmp_path):
+def test_the_workflow_stops_before_any_job_and_plans_its_jobs_with_the_ways_out(tmp_path):
     folder = target(tmp_path, LLAMA, "head-dim-16")
     config = demo_config(target={"path": str(folder)})
     process = snakemake(tmp_path, config, "-n", check=False)
