@@ -154,10 +154,10 @@ if workflow.is_main_process:  # once per run, also with -n; not again in each jo
 
 
 def train_settings():
-    """draftflow.train.TrainSettings as a dict."""
+    """draftflow.train.TrainSettings as a dict, in sorted order: Snakemake compares params
+    as written, so the order of the config's keys would otherwise rerun training."""
     train = config["train"]
-    return {
-        **{k: v for k, v in train.items() if k != "heldout_fraction"},
-        "seed": config["seed"],
-        "device": config["device"],
-    }
+    settings = {k: v for k, v in train.items() if k != "heldout_fraction"}
+    return dict(
+        sorted({**settings, "seed": config["seed"], "device": config["device"]}.items())
+    )

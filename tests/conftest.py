@@ -29,12 +29,12 @@ def demo_config(**overrides) -> dict:
 
 
 def snakemake(
-    workdir: Path, config: dict, *args: str, check: bool = True, workflow: Path = REPO
+    workdir: Path, config: dict, *args: str, check: bool = True, workflow: Path = REPO, sort_keys: bool = True
 ) -> subprocess.CompletedProcess:
     """Run the workflow (the checkout's, or a ``workflow_copy``) in ``workdir`` with
-    ``config``; output is captured."""
+    ``config`` (written with its keys sorted, or in its own order); output is captured."""
     config_path = workdir / f"config-{config['run']}.yaml"
-    config_path.write_text(yaml.safe_dump(config))
+    config_path.write_text(yaml.safe_dump(config, sort_keys=sort_keys))
     command = [
         str(SNAKEMAKE),
         "--snakefile", str(workflow / "Snakefile"),

@@ -77,11 +77,21 @@ def test_new_prompt_file_reruns_everything(settled):
 
 def test_editing_training_code_reruns_training_not_generation(settled, tmp_path):
     workflow = workflow_copy(tmp_path)
-    assert planned_rules(settled, demo_config(), workflow) == set()  # the copy is the code that ran
+    # the same code: only provenance, which records the workflow's folder
+    assert planned_rules(settled, demo_config(), workflow) == {"provenance"}
     with (workflow / "draftflow/train.py").open("a") as module:
         module.write("\n# an edit\n")
     planned = planned_rules(settled, demo_config(), workflow)
     assert planned == {"drafter_init", "train", "evaluate", "serve_check", "report", "provenance"}
+
+
+def reversed_keys(value):
+    return {k: reversed_keys(v) for k, v in reversed(value.items())} if isinstance(value, dict) else value
+
+
+def test_the_config_keys_in_another_order_rerun_nothing(settled):
+    output = snakemake(settled, reversed_keys(demo_config()), "-n", sort_keys=False).stdout
+    assert "Nothing to be done" in output, output[-3000:]
 
 
 def test_changing_shard_count_reruns_the_extraction_jobs_not_generation(settled):

@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from draftflow.answers import iter_complete_lines
 from draftflow.io import iter_jsonl
@@ -73,6 +74,9 @@ def test_a_killed_and_resumed_run_makes_the_uninterrupted_runs_files(demo_run, r
     assert {"synthetic/generated.jsonl", "hidden_states/manifest.json", "train/stats.json", "drafter/model.safetensors",
             "evaluation/evaluation.json", "evaluation/served.json"} <= compared  # fmt: skip
     assert len(compared) > 500
+    first, second = (torch.load(r / "train/work/checkpoint.pt", weights_only=False) for r in (demo_run, repeat))
+    assert first.keys() == second.keys() and first["history"] == second["history"]
+    assert all(torch.equal(first["model"][k], second["model"][k]) for k in first["model"])
 
 
 def test_provenance_records_config_code_and_inputs(repeat_run):
