@@ -161,6 +161,11 @@ def start_snakemake(workdir: Path, config: dict, *args: str) -> subprocess.Popen
     return process
 
 
+def complete_lines(path: Path) -> int:
+    """Lines of a file a workflow may be appending to, the one it is writing left out."""
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
 def output_tail(process: subprocess.Popen) -> str:
     return process.output_path.read_text()[-6000:]
 

@@ -12,7 +12,7 @@ from speculators.train.data import ArrowDataset
 
 from draftflow.fingerprint import file_sha256
 from draftflow.vllm_server import free_port
-from tests.conftest import copy_demo_run, demo_config, snakemake, start_snakemake, stop_group, wait_until
+from tests.conftest import complete_lines, copy_demo_run, demo_config, snakemake, start_snakemake, stop_group, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -83,9 +83,8 @@ def test_a_killed_server_job_resumes_each_of_its_shards_from_its_journal(tmp_pat
     config = demo_config(vllm={"port": free_port("127.0.0.1")})
     process = start_snakemake(tmp_path, config, "--cores", "1", "extract")
     journal = shard_dir / "journal.jsonl"
-    written = lambda: journal.read_bytes().count(b"\n") if journal.exists() else 0  # noqa: E731 (complete lines)
-    wait_until(lambda: written() >= 12, process, 1200, "shard 1's 11th file")
-    done_before_kill = written() - 1
+    wait_until(lambda: complete_lines(journal) >= 12, process, 1200, "shard 1's 11th file")
+    done_before_kill = complete_lines(journal) - 1
     stop_group(process)
     assert 10 < done_before_kill < 100, "the kill did not land mid-shard"
 

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftflow.answers import iter_complete_lines
 from draftflow.io import iter_jsonl
 from tests.compare import assert_same_files
-from tests.conftest import REPO, copy_demo_run, demo_config, snakemake, start_snakemake, stop_group, wait_until
+from tests.conftest import REPO, complete_lines, copy_demo_run, demo_config, snakemake, start_snakemake, stop_group, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +25,8 @@ def kill_when(workdir: Path, config: dict, ready, moment: str) -> None:
 
 
 def answers(store_pattern: Path) -> int:
-    """Answers the store holds: its complete lines (the writer may be mid-line)."""
-    return sum(sum(1 for _ in iter_complete_lines(store)) for store in store_pattern.parent.glob(store_pattern.name))
+    """Answers the store holds: its complete lines."""
+    return sum(complete_lines(store) for store in store_pattern.parent.glob(store_pattern.name))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from draftflow.answers import conversation_key
 from draftflow.extract import layout
 from draftflow.io import iter_jsonl
 from draftflow.vllm_server import free_port
-from tests.conftest import copy_demo_run, demo_config, snakemake, start_snakemake, wait_for_exit, wait_until
+from tests.conftest import complete_lines, copy_demo_run, demo_config, snakemake, start_snakemake, wait_for_exit, wait_until
 from tests.test_extract_stage import assert_manifests_match_files
 
 pytestmark = pytest.mark.slow
@@ -34,11 +34,6 @@ def kill_server_during(workdir: Path, config: dict, target: str, ready, moment: 
     pid = int(found.stdout.split()[0])
     os.kill(pid, signal.SIGKILL)
     return wait_for_exit(process, 600), pid
-
-
-def lines(path: Path) -> int:
-    """Complete lines: the writer may be mid-line."""
-    return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
 def partial_generation(results: Path) -> Path:
@@ -61,7 +56,7 @@ def test_server_killed_mid_generation_fails_clearly_and_a_rerun_resumes(tmp_path
     generate = {"concurrency": 4, "max_retries": 1}  # one retry, 2 s after the failure: a short wait
     config = demo_config(data={"num_samples": 60}, generate=generate, vllm={"port": free_port("127.0.0.1")})
     target = "results/demo/synthetic/stats.json"
-    code, server_pid = kill_server_during(tmp_path, config, target, lambda: lines(partial_generation(results)) >= 10, "10 answers")
+    code, server_pid = kill_server_during(tmp_path, config, target, lambda: complete_lines(partial_generation(results)) >= 10, "10 answers")
 
     partial = partial_generation(results)
     answered = {row["primary_id"] for row in iter_jsonl(partial)}  # conversation keys, as the store files them
@@ -78,7 +73,7 @@ def test_server_killed_mid_generation_fails_clearly_and_a_rerun_resumes(tmp_path
     generated = [row["primary_id"] for row in iter_jsonl(results / "synthetic/generated.jsonl")]
     assert sorted(generated) == sorted(asked) and len(asked) == 60
     keys = {row["id"]: conversation_key(row) for row in iter_jsonl(results / "prompts/conversations.jsonl")}
-    assert answered <= {keys[conversation] for conversation in generated} and lines(results / "synthetic/errors.jsonl") == 0
+    assert answered <= {keys[conversation] for conversation in generated} and complete_lines(results / "synthetic/errors.jsonl") == 0
     log = (tmp_path / "logs/demo/generate.log").read_text()
     asked_again = re.findall(r"Pipeline complete in [\d.]+s: (\d+) conversations", log)
     assert asked_again == [str(60 - len(answered))]
@@ -90,7 +85,7 @@ def test_server_killed_mid_extraction_fails_clearly_and_a_rerun_resumes(tmp_path
     config = demo_config(extract=extract, vllm={"port": free_port("127.0.0.1")})
     target = "results/demo/hidden_states/server-0.json"
     journal = results / "hidden_states/shard-0/journal.jsonl"
-    code, server_pid = kill_server_during(tmp_path, config, target, lambda: lines(journal) > 10, "11 journal records")
+    code, server_pid = kill_server_during(tmp_path, config, target, lambda: complete_lines(journal) > 10, "11 journal records")
 
     journaled = [json.loads(line)["sample_id"] for line in journal.read_text().splitlines()[1:]]
     total = json.loads((results / "hidden_states/plan.json").read_text())["samples"]
