@@ -9,15 +9,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from draftflow import run_folder
 from draftflow.extract.layout import hidden_state_bytes
 from draftflow.target_model import TargetModel
 
 LATER_OUTPUTS = {  # what each output after extraction writes under results/<run>/
-    "untrained drafter": ("drafter_untrained",),
-    "drafter": ("drafter",),
-    "training checkpoints": ("train",),
-    "training views": ("training_data",),
-    "evaluation and report": ("evaluation", "report"),
+    "untrained drafter": (run_folder.UNTRAINED_DRAFTER,),
+    "drafter": (run_folder.DRAFTER,),
+    "training checkpoints": (run_folder.TRAINING_WORK,),
+    "training views": (run_folder.TRAINING_VIEWS,),
+    "evaluation and report": (run_folder.EVALUATION, run_folder.REPORT),
 }
 REPORT_ALLOWANCE_BYTES = 200_000  # evaluation plots and JSON, the report and its charts (the demo: 93 kB)
 VOCAB_PLOT_BYTES = 50_000  # coverage.png and coverage.json (the demo: 40 kB)

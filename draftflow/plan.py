@@ -32,6 +32,7 @@ from pathlib import Path
 
 import yaml
 
+from draftflow import run_folder
 from draftflow.answers import (
     answer_store,
     conversation_key,
@@ -60,9 +61,9 @@ from draftflow.target_source import resolve_target
 from draftflow.units import fmt_bytes, fmt_duration, parse_size
 
 FITS, WILL_NOT_FIT = 0, 3
-# Stages whose time the plan takes as measured (small, or not driven by the data's size).
-MEASURED_STAGES = ("prompts", "vocab_map", "extract_plan", "extract", "fidelity", "drafter_init",
-                   "train_views", "evaluate", "serve_check", "report", "provenance")  # fmt: skip
+# Stages whose time the plan models from the data's size; the others' it takes as measured.
+SIZED_STAGES = ("generate", "prepare", "extract_server", "train")
+MEASURED_STAGES = tuple(stage.rule for stage in run_folder.STAGES if stage.rule not in SIZED_STAGES)
 LOAD_SHARE_WARNING = 0.25
 CHARS_PER_TOKEN = 4  # prompts not yet tokenized: a common rule of thumb for English text
 
@@ -139,14 +140,14 @@ class Plan:
 def rates_from_run(run_dir: Path) -> Rates:
     """Rates measured by an earlier run: ``results/<run>`` beside its ``benchmarks/<run>``."""
     run_dir = Path(run_dir)
-    benchmarks = run_dir.parents[1] / "benchmarks" / run_dir.name
+    benchmarks = run_folder.benchmarks_dir(run_dir)
     seconds = {path.stem: read_benchmark(path)["seconds"] for path in benchmarks.glob("*.tsv")}
-    generated, prepared = read_json(run_dir / "synthetic/stats.json"), read_json(run_dir / "prepared/stats.json")
-    extracted = read_json(run_dir / "hidden_states" / layout.SUMMARY)
-    trained = read_json(run_dir / "train/stats.json")
+    generated, prepared = read_json(run_folder.stage_dir(run_dir, "generate") / "stats.json"), read_json(run_folder.stage_dir(run_dir, "prepare") / "stats.json")
+    extracted = read_json(run_folder.hidden_states_dir(run_dir) / layout.SUMMARY)
+    trained = read_json(run_folder.stage_dir(run_dir, "train") / "stats.json")
     loads = [
         h["model_ready_at"] - h["started_at"]
-        for path in layout.heartbeats(run_dir / "hidden_states")
+        for path in layout.heartbeats(run_folder.hidden_states_dir(run_dir))
         if (h := read_json(path)).get("loads_model") and h.get("model_ready_at")
     ]
     load = sum(loads) / len(loads) if loads else seconds["generate"] - generated["wall_seconds"]
@@ -159,8 +160,8 @@ def rates_from_run(run_dir: Path) -> Rates:
         extract_tokens_per_s=extracted["tokens"] / max(sum(servers) - len(loads or servers) * load, 1e-9),
         train_tokens_per_s=prepared["tokens"] * trained["epochs"] / seconds["train"] / max(1, trained["gpus"]),
         stage_seconds={stage: seconds[stage] for stage in MEASURED_STAGES if stage in seconds},
-        generated_bytes_per_token=tree_bytes(run_dir / "synthetic") / prepared["tokens"],
-        prepared_bytes_per_token=tree_bytes(run_dir / "prepared") / prepared["tokens"],
+        generated_bytes_per_token=tree_bytes(run_folder.stage_dir(run_dir, "generate")) / prepared["tokens"],
+        prepared_bytes_per_token=tree_bytes(run_folder.stage_dir(run_dir, "prepare")) / prepared["tokens"],
         response_tokens=generated["mean_response_tokens"],
         prompt_tokens=generated["mean_prompt_tokens"],
     )
@@ -206,13 +207,13 @@ def prompt_chars(path: Path) -> tuple[int, int]:
 def work_from_stats(config: dict, run_dir: Path, rates: Rates) -> dict:
     """Samples and tokens from the outputs' stats, all of them to compute: exact after
     prepare, else the best estimate the run allows."""
-    prepared = run_dir / "prepared/stats.json"
+    prepared = run_folder.stage_dir(run_dir, "prepare") / "stats.json"
     if prepared.exists():
         stats = read_json(prepared)
         return all_to_compute({"samples": stats["kept"], "tokens": stats["tokens"], "response_tokens": stats["supervised_tokens"],
                                "source": "exact: prepare's token counts"})  # fmt: skip
     samples = config["data"]["num_samples"]
-    generated = run_dir / "synthetic/stats.json"
+    generated = run_folder.stage_dir(run_dir, "generate") / "stats.json"
     if generated.exists():
         stats = read_json(generated)
         samples, prompt, response = stats["samples"], stats["mean_prompt_tokens"], stats["mean_response_tokens"]
@@ -220,7 +221,7 @@ def work_from_stats(config: dict, run_dir: Path, rates: Rates) -> dict:
     else:
         prompt = rates.prompt_tokens
         if prompt is None:
-            sampled = run_dir / "prompts/conversations.jsonl"
+            sampled = run_folder.stage_dir(run_dir, "prompts") / "conversations.jsonl"
             files = [sampled] if sampled.exists() else [Path(path) for path in config["data"]["prompt_files"]]
             counts = [prompt_chars(path) for path in files]
             rows, chars = sum(c for c, _ in counts), sum(c for _, c in counts)
@@ -252,7 +253,7 @@ def token_counts(config: dict, run_dir: Path, rates: Rates, target_dir: Path, la
         return work_from_stats(config, run_dir, rates)
     data, generate, prepare = config["data"], config["generate"], config["prepare"]
     conversations, _ = select_prompts(prompt_files, data["num_samples"], config["seed"], data["on_bad_row"])
-    store = answer_store(run_dir / "synthetic/work", target_dir, generate["max_tokens"], generate["temperature"], config["seed"])
+    store = answer_store(run_folder.stage_dir(run_dir, "generate") / "work", target_dir, generate["max_tokens"], generate["temperature"], config["seed"])
     answers = stored_answers(store)
     new = [c for c in conversations if conversation_key(c) not in answers]
     rows = stored_rows(answers, conversations)
@@ -269,7 +270,7 @@ def token_counts(config: dict, run_dir: Path, rates: Rates, target_dir: Path, la
     new_tokens = [min(message_chars(c) / CHARS_PER_TOKEN + response, max_length) for c in new]
     settings = ExtractionSettings(config["extract"]["backend"], tuple(layer_ids), config["target"]["dtype"],
                                   target_fingerprint(target_dir), config["extract"]["storage"])  # fmt: skip
-    reused = extracted_before(run_dir / "hidden_states", settings, known, config["extract"]["shards"])
+    reused = extracted_before(run_folder.hidden_states_dir(run_dir), settings, known, config["extract"]["shards"])
     tokens = sum(len(s.token_ids) for s in known)
     return {
         "samples": len(known) + len(new),
@@ -325,12 +326,12 @@ def plan_stages(config: dict, target: TargetModel, num_layer_ids: int, work: dic
         return Stage(name, jobs, gpus_per_job, loads, int(written), seconds, gpu_seconds / 3600, load_seconds, *reuse)
 
     stages = [
-        stage("prompts", 1, 0, 0, existing_or(run_dir / "prompts", 0), measured("prompts")),
+        stage("prompts", 1, 0, 0, existing_or(run_folder.stage_dir(run_dir, "prompts"), 0), measured("prompts")),
         stage("generate", 1, 0 if config["generate"]["endpoint"] else gpus, int(starts_server),
-              existing_or(run_dir / "synthetic", rates.generated_bytes_per_token * tokens),
+              existing_or(run_folder.stage_dir(run_dir, "generate"), rates.generated_bytes_per_token * tokens),
               generate_load + work["response_tokens_to_generate"] / rates.generate_tokens_per_s,
               load_seconds=generate_load, reuse=(work["answered_before"], work["to_ask"])),
-        stage("prepare", 1, 0, 0, existing_or(run_dir / "prepared", rates.prepared_bytes_per_token * tokens),
+        stage("prepare", 1, 0, 0, existing_or(run_folder.stage_dir(run_dir, "prepare"), rates.prepared_bytes_per_token * tokens),
               tokens / rates.prepare_tokens_per_s),
         stage("vocab_map", 1, 0, 0, vocab_map_bytes(target.vocab_size, config["vocab"]["draft_vocab_size"]),
               measured("vocab_map")),
@@ -415,7 +416,7 @@ def plan_warnings(config: dict, work: dict, stages: list[Stage], peak: int, free
 
 
 def write_plan(config: dict, target: Path, run_dir: Path, local_gpus: int | None) -> Plan | None:
-    """Write ``run_dir``/plan.md and plan.json as a run starts; stop the run when
+    """Write ``run_dir``/run_plan.md and run_plan.json as a run starts; stop the run when
     the disk will not hold it (unless ``plan.stop_if_short`` is false). None,
     said on stderr, while the ``target`` folder does not exist yet (the demo
     builds its own) or the plan cannot be made (a stand-in target's config)."""
@@ -427,9 +428,9 @@ def write_plan(config: dict, target: Path, run_dir: Path, local_gpus: int | None
     except (OSError, ValueError, KeyError) as error:  # an estimate never stops a run
         print(f"plan: not written ({type(error).__name__}: {error})", file=sys.stderr)
         return None
-    markdown = run_dir / "plan.md"
+    markdown = run_dir / run_folder.RUN_PLAN_TEXT
     write_text(markdown, render_markdown(plan))
-    write_text(run_dir / "plan.json", render_json(plan))
+    write_text(run_dir / run_folder.RUN_PLAN, render_json(plan))
     print(f"plan: {markdown} ({len(plan.warnings)} warning(s))", file=sys.stderr)
     if plan.exit_code == WILL_NOT_FIT and config["plan"]["stop_if_short"]:
         raise SystemExit(
@@ -495,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.configfile)
         rates = load_rates(args.rates, config["device"])
         gpus = local_gpu_count() if args.gpus is None else args.gpus
-        plan = build_plan(config, args.directory / "results" / config["run"], rates, args.free_bytes, gpus)
+        plan = build_plan(config, args.directory / run_folder.result(config["run"], ""), rates, args.free_bytes, gpus)
     except (FileNotFoundError, ValueError, KeyError) as error:
         print(f"plan: {error}", file=sys.stderr)
         return 1

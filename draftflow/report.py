@@ -5,12 +5,15 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from draftflow import run_folder
+from draftflow.extract import layout
 from draftflow.io import atomic_path, read_json, write_text
 from draftflow.plots import pyplot, save_png
 
 COLUMNS = ("stage", "jobs", "seconds", "max_rss_mb", "cpu_seconds", "work", "throughput")
-COMPARED_FILES = {"extract": "hidden_states/manifest.json", "evaluation": "evaluation/evaluation.json",
-                  "served": "evaluation/served.json"}  # fmt: skip
+COMPARED_FILES = {"extract": f"{run_folder.HIDDEN_STATES}/{layout.SUMMARY}",
+                  "evaluation": f"{run_folder.EVALUATION}/evaluation.json",
+                  "served": f"{run_folder.EVALUATION}/served.json"}  # fmt: skip
 
 
 def read_benchmark(path: Path) -> dict:
@@ -20,16 +23,11 @@ def read_benchmark(path: Path) -> dict:
     return {"seconds": number("s"), "max_rss_mb": number("max_rss"), "cpu_seconds": number("cpu_time")}
 
 
-def stage_of(benchmark: Path) -> str:
-    """extract_server-3.tsv → extract_server: a stage's jobs are summed into one row."""
-    return benchmark.stem.split("-")[0]
-
-
 def gather_runtimes(benchmarks: list[Path]) -> dict[str, dict]:
     stages: dict[str, dict] = {}
     for path in benchmarks:
         numbers = read_benchmark(path)
-        stage = stages.setdefault(stage_of(path), {"jobs": 0, "seconds": 0.0, "max_rss_mb": 0.0, "cpu_seconds": 0.0})
+        stage = stages.setdefault(run_folder.stage_of_benchmark(path), {"jobs": 0, "seconds": 0.0, "max_rss_mb": 0.0, "cpu_seconds": 0.0})
         stage["jobs"] += 1
         stage["seconds"] += numbers["seconds"]
         stage["cpu_seconds"] += numbers["cpu_seconds"]

@@ -10,6 +10,7 @@ from draftflow.gpus import (
     server_gpus,
     snakemake_runs_locally,
 )
+from draftflow import run_folder
 from draftflow.extract import layout
 from draftflow.layers import resolve_layer_ids
 from draftflow.plan import write_plan
@@ -44,15 +45,15 @@ def code_version(script):
 
 
 def result(path):
-    return f"results/{RUN}/{path}"
+    return run_folder.result(RUN, path)
 
 
 def log_path(rule, name="log"):
-    return f"logs/{RUN}/{rule}.{name}"
+    return run_folder.log_path(RUN, rule, name)
 
 
 def benchmark_path(rule):
-    return f"benchmarks/{RUN}/{rule}.tsv"
+    return run_folder.benchmark_path(RUN, rule)
 
 
 def vllm_server_params(extra_args=()):

@@ -1,16 +1,8 @@
+# every stage before the report: the inputs provenance records
 PROVENANCE_STAGES = [
-    "prompts",
-    "generate",
-    "prepare",
-    "vocab_map",
-    "extract_plan",
-    "extract_server",
-    "extract",
-    "fidelity",
-    "drafter_init",
-    "train_views",
-    "train",
-    "evaluate",
+    stage.rule
+    for stage in run_folder.run_stages(SERVE_CHECK)
+    if stage.rule not in ("report", "provenance")
 ]
 
 

@@ -15,8 +15,8 @@ TIMINGS = {"synthetic/stats.json": {"wall_seconds", "response_tokens_per_second"
 NOT_COMPARED = {
     "synthetic/work/*": "the answer store: rows as asked (under content keys, naming the server's random port), "
     "also those of other configs of the folder (generated.jsonl, compared, is this config's, as asked)",
-    "plan.md": "free space and the rates of earlier runs, at the start; the first run in a folder has none",
-    "plan.json": "free space and the rates of earlier runs, at the start; the first run in a folder has none",
+    "run_plan.md": "free space and the rates of earlier runs, at the start; the first run in a folder has none",
+    "run_plan.json": "free space and the rates of earlier runs, at the start; the first run in a folder has none",
     "hidden_states/plan.json": "free space at the start, and the files earlier runs left to keep",
     "hidden_states/progress.json": "when it was checked",
     "hidden_states/progress.txt": "when it was checked",
@@ -26,7 +26,7 @@ NOT_COMPARED = {
     "drafter_untrained/speculators.patch": "speculators records the uncommitted changes of the checkout that ran",
     "train/work/checkpoint.pt": "the resume state: a resumed run's holds the same tensors, but torch.save "
     "lays out a state it loaded in another order (compared by tensor in the resume test)",
-    "provenance.json": "digests of plan.json and drafter_untrained (above)",
+    "provenance.json": "digests of hidden_states/plan.json and drafter_untrained (above)",
     "report/*": "stage runtimes",
 }
 

@@ -257,7 +257,7 @@ def test_generation_asked_and_extraction_computed_exactly_what_the_edit_made_new
     elif edit == "prompt_edited_in_place":
         assert 0 < len(new_conversations) <= 2 and 0 < len(changed) <= 2
 
-    plan = json.loads((results(run) / "plan.json").read_text())  # written as the rerun started
+    plan = json.loads((results(run) / "run_plan.json").read_text())  # written as the rerun started
     stages = {s["name"]: s for s in plan["stages"]}
     assert (stages["generate"]["reused"], stages["generate"]["computed"]) == (len(now) - len(new_conversations), len(new_conversations))
     assert (stages["extract_server"]["reused"], stages["extract_server"]["computed"]) == (len(new_rows) - len(changed), len(changed))

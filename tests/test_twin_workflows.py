@@ -75,12 +75,12 @@ def read(run, path):
 
 def test_the_run_wrote_its_plan_before_any_job(twin_run):
     _, run = twin_run
-    plan = read(run, "plan.json")  # written as the run started (the target existed already)
+    plan = read(run, "run_plan.json")  # written as the run started (the target existed already)
     assert plan["tokens"]["source"].startswith("estimated: prompt lengths and generate.max_tokens")
     assert [(s["name"], s["jobs"], s["model_loads"]) for s in plan["stages"] if s["name"] == "extract_server"] == [
         ("extract_server", 1, 1)
     ]
-    assert "| extract_server | 1 | 0 | 1 |" in (run / "plan.md").read_text()
+    assert "| extract_server | 1 | 0 | 1 |" in (run / "run_plan.md").read_text()
 
 
 def test_layer_ids_fit_the_twins_layer_count(twin_run):

@@ -1,0 +1,100 @@
+"""What a run leaves in its working directory: names, the stages and their folders.
+
+The one module that spells them (the extraction's own files inside ``hidden_states/``
+are draftflow.extract.layout's); standard library only, so the plan and the progress
+check import it without torch::
+
+    results/<run>/run_plan.json, run_plan.md   the run's plan, written as it starts
+    results/<run>/<folder>/                    each stage's outputs (STAGES)
+    results/<run>/provenance.json              what ran, on what
+    logs/<run>/<rule>.log                      each job's log
+    benchmarks/<run>/<rule>.tsv                each job's benchmark (extract_server-<s>.tsv)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+RESULTS, LOGS, BENCHMARKS = "results", "logs", "benchmarks"
+RUN_PLAN, RUN_PLAN_TEXT = "run_plan.json", "run_plan.md"
+PROVENANCE = "provenance.json"
+HIDDEN_STATES = "hidden_states"
+UNTRAINED_DRAFTER, TRAINING_VIEWS, TRAINING_WORK, DRAFTER = "drafter_untrained", "training_data", "train", "drafter"
+EVALUATION, REPORT = "evaluation", "report"
+DEMO_TARGET_RULE = "demo_target"  # builds resources/, outside any run
+
+
+@dataclass(frozen=True)
+class Stage:
+    rule: str
+    folders: tuple[str, ...]  # under results/<run>/
+    host_memory_mb: int  # per job, from the demo's benchmarks (max RSS, rounded up)
+    per_server: bool = False  # one job per extraction server job: <rule>-<s>
+
+    def benchmark_names(self, servers: int) -> list[str]:
+        return [f"{self.rule}-{s}" for s in range(servers)] if self.per_server else [self.rule]
+
+
+STAGES = (
+    Stage("prompts", ("prompts",), 1000),
+    Stage("generate", ("synthetic",), 5000),
+    Stage("prepare", ("prepared",), 2000),
+    Stage("vocab_map", ("vocab",), 1000),
+    Stage("extract_plan", (HIDDEN_STATES,), 1000),
+    Stage("extract_server", (HIDDEN_STATES,), 5000, per_server=True),
+    Stage("extract", (HIDDEN_STATES,), 1000),
+    Stage("fidelity", ("fidelity",), 5000),
+    Stage("drafter_init", (UNTRAINED_DRAFTER,), 2000),
+    Stage("train_views", (TRAINING_VIEWS,), 1000),
+    Stage("train", (TRAINING_WORK, DRAFTER), 2000),
+    Stage("evaluate", (EVALUATION,), 1000),
+    Stage("serve_check", (EVALUATION,), 4000),
+    Stage("report", (REPORT,), 1000),
+    Stage("provenance", (), 1000),
+)
+STAGE = {stage.rule: stage for stage in STAGES}
+OPTIONAL_STAGES = ("serve_check",)  # evaluate.serve_check: false leaves it out
+DEMO_TARGET_MEMORY_MB = 2000
+
+
+def host_memory_resources() -> dict[str, dict[str, int]]:
+    """Host memory per rule: the local profile's set-resources."""
+    memory = {DEMO_TARGET_RULE: DEMO_TARGET_MEMORY_MB, **{s.rule: s.host_memory_mb for s in STAGES}}
+    return {rule: {"mem_mb": mb} for rule, mb in memory.items()}
+
+
+def run_stages(serve_check: bool) -> list[Stage]:
+    """The stages a run's config runs, in order."""
+    return [s for s in STAGES if serve_check or s.rule not in OPTIONAL_STAGES]
+
+
+def result(run: str, path: str) -> str:
+    return f"{RESULTS}/{run}/{path}"
+
+
+def log_path(run: str, rule: str, name: str = "log") -> str:
+    return f"{LOGS}/{run}/{rule}.{name}"
+
+
+def benchmark_path(run: str, name: str) -> str:
+    return f"{BENCHMARKS}/{run}/{name}.tsv"
+
+
+def benchmarks_dir(run_dir: Path) -> Path:
+    """``benchmarks/<run>`` beside ``results/<run>``."""
+    return run_dir.parents[1] / BENCHMARKS / run_dir.name
+
+
+def stage_of_benchmark(path: Path) -> str:
+    """extract_server-3.tsv → extract_server: a stage's jobs are summed into one row."""
+    return path.stem.split("-")[0]
+
+
+def stage_dir(run_dir: Path, rule: str) -> Path:
+    """Where ``rule`` writes under ``results/<run>`` (its first folder)."""
+    return run_dir / STAGE[rule].folders[0]
+
+
+def hidden_states_dir(run_dir: Path) -> Path:
+    return run_dir / HIDDEN_STATES
