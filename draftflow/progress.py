@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
+from draftflow import run_folder
 from draftflow.config import load_config
 from draftflow.costs import LATER_OUTPUTS, later_stage_bytes, tree_bytes
 from draftflow.extract import layout
@@ -173,9 +174,35 @@ class Report:
 # -- reading the run directory ------------------------------------------------
 
 
+class ProgressError(Exception):
+    """A file the check needs is missing or not what it should be: one line, exit 1."""
+
+
+PLAN_KEYS = ("shards", "samples", "tokens", "bytes", "layer_ids")
+
+
 def hidden_states_dir(path: Path) -> Path:
-    """Accept ``results/<run>`` or ``results/<run>/hidden_states``."""
-    return path if (path / layout.PLAN).exists() else path / "hidden_states"
+    """The extraction's folder, given ``results/<run>`` or the folder itself."""
+    for folder in (run_folder.hidden_states_dir(path), path):
+        if (folder / layout.PLAN).is_file():
+            return folder
+    raise ProgressError(
+        f"{run_folder.hidden_states_dir(path) / layout.PLAN}: no extraction plan. Give results/<run> or its "
+        f"{run_folder.HIDDEN_STATES}/ folder; the extraction's extract_plan job writes the plan as it starts."
+    )
+
+
+def read_extraction_plan(hs_dir: Path) -> dict:
+    path = hs_dir / layout.PLAN
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ProgressError(f"{path}: not readable ({error}); rerun the extract_plan job, which writes it") from error
+    if missing := [key for key in PLAN_KEYS if not isinstance(plan, dict) or key not in plan]:
+        raise ProgressError(
+            f"{path}: not an extraction plan (no {', '.join(missing)}); rerun the extract_plan job, which writes it"
+        )
+    return plan
 
 
 def read_json_or_none(path: Path) -> dict | None:
@@ -431,7 +458,7 @@ def later_stages(options: Options, plan: dict, run_dir: Path) -> tuple[int, str,
         return 0, "not counted: pass --config or --reserve-bytes", {}
     config = load_config(options.config)
     estimate = later_stage_bytes(
-        config, target_model(config), len(plan["layer_ids"]), tree_bytes(run_dir / "prepared/dataset")
+        config, target_model(config), len(plan["layer_ids"]), tree_bytes(run_folder.stage_dir(run_dir, "prepare") / "dataset")
     )
     detail = {
         output: {
@@ -526,7 +553,7 @@ def check(run_dir: Path, options: Options = Options(), now: float | None = None)
     """Everything the report shows, for ``results/<run>`` (or its hidden_states/)."""
     now = time.time() if now is None else now
     hs_dir = hidden_states_dir(Path(run_dir))
-    plan = json.loads((hs_dir / layout.PLAN).read_text())
+    plan = read_extraction_plan(hs_dir)
     scans = [scan_shard(hs_dir, shard_plan) for shard_plan in plan["shards"]]
     states, notes = zip(*(shard_state(s, options.check_pids) for s in scans), strict=True)
     shards = [
@@ -784,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.watch is not None:
             return watch(args.run_dir, options, args.watch)
         report = check(args.run_dir, options)
-    except FileNotFoundError as error:
+    except (ProgressError, FileNotFoundError) as error:
         print(f"progress: {error}", file=sys.stderr)
         return 1
     print(render_json(report) if args.json else render_table(report), end="")

@@ -3,6 +3,7 @@
 import json
 import re
 import subprocess
+import sys
 import time
 
 import pytest
@@ -12,7 +13,7 @@ from speculators.train.data import ArrowDataset
 
 from draftflow.fingerprint import file_sha256
 from draftflow.vllm_server import free_port
-from tests.conftest import complete_lines, copy_demo_run, demo_config, snakemake, start_snakemake, stop_group, wait_until
+from tests.conftest import REPO, complete_lines, copy_demo_run, demo_config, snakemake, start_snakemake, stop_group, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -84,9 +85,15 @@ def test_a_killed_server_job_resumes_each_of_its_shards_from_its_journal(tmp_pat
     process = start_snakemake(tmp_path, config, "--cores", "1", "extract")
     journal = shard_dir / "journal.jsonl"
     wait_until(lambda: complete_lines(journal) >= 12, process, 1200, "shard 1's 11th file")
+    assert (results / "run_plan.json").exists()  # the target existed: the run wrote its plan beside the stages
+    during = [progress_report(tmp_path, folder) for folder in ("results/demo", "results/demo/hidden_states")]
     done_before_kill = complete_lines(journal) - 1
     stop_group(process)
     assert 10 < done_before_kill < 100, "the kill did not land mid-shard"
+    planned = json.loads((hidden_states / "plan.json").read_text())["samples"]
+    for report in during:
+        assert not report["complete"] and report["samples_total"] == planned
+        assert len(shard_0_files) + 11 <= report["samples_done"] <= len(shard_0_files) + done_before_kill
 
     snakemake(tmp_path, config, "--unlock")  # a killed Snakemake leaves its lock
     rerun = snakemake(tmp_path, config, "extract", "--rerun-incomplete")
@@ -99,7 +106,18 @@ def test_a_killed_server_job_resumes_each_of_its_shards_from_its_journal(tmp_pat
     assert [h["loads_model"] for h in heartbeats] == [False, True]  # one load, for the shard with work left
     assert sorted(p.name for p in (hidden_states / "shard-0").glob("hs_*.safetensors")) == shard_0_files
     assert_manifests_match_files(results)
+    for folder in ("results/demo", "results/demo/hidden_states"):
+        after = progress_report(tmp_path, folder)
+        assert after["complete"] and after["samples_done"] == after["samples_total"] == planned
     assert no_server_on_port_within(config["vllm"]["port"], 60), "a vLLM server outlived its killed job"
+
+
+def progress_report(workdir, folder):
+    """The README's progress command, run in the run's working directory; its JSON."""
+    command = [sys.executable, str(REPO / "scripts/progress.py"), folder, "--json"]
+    checked = subprocess.run(command, capture_output=True, text=True, cwd=workdir)
+    assert checked.returncode == 0, checked.stderr
+    return json.loads(checked.stdout)
 
 
 def no_server_on_port_within(port, seconds):

@@ -332,3 +332,30 @@ def test_later_stage_estimate_counts_the_demo_drafter(tmp_path):
         check(run_dir, Options(config=config, free_bytes=10**9)).disk.later_stages
         == disk.later_stages - 10**6
     )
+
+
+def test_the_cli_finds_the_extraction_beside_a_run_plan_and_says_each_error_in_one_line(tmp_path):
+    run_dir = tmp_path / "results/demo"
+    settings = ExtractionSettings("vllm", (2, 4, 5, 8), "float32", "test")
+    write_json(run_dir / "hidden_states/plan.json", plan_extraction([], 1, 1, settings, 128))
+    write_json(run_dir / "run_plan.json", {"stages": []})
+    write_json(run_dir / "plan.json", {"stages": []})  # a file of the user's, or an older run plan
+
+    def progress(path: Path) -> subprocess.CompletedProcess:
+        command = [sys.executable, str(REPO / "scripts/progress.py"), str(path), "--json"]
+        return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
+
+    for given in (run_dir, run_dir / "hidden_states"):
+        found = progress(given)
+        assert found.returncode == ON_TRACK, found.stderr
+        assert json.loads(found.stdout)["hidden_states"] == str(run_dir / "hidden_states")
+    (run_dir / "hidden_states/plan.json").write_text('{"shards": [')
+    broken = progress(run_dir)
+    assert broken.returncode == 1 and broken.stdout == ""
+    assert broken.stderr.count("\n") == 1 and f"{run_dir / 'hidden_states/plan.json'}: not readable" in broken.stderr
+    write_json(run_dir / "hidden_states/plan.json", {"stages": []})
+    wrong = progress(run_dir)
+    assert wrong.returncode == 1 and wrong.stderr.count("\n") == 1 and "not an extraction plan (no shards," in wrong.stderr
+    missing = progress(tmp_path)
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1
+    assert f"{tmp_path / 'hidden_states/plan.json'}: no extraction plan" in missing.stderr
