@@ -9,6 +9,9 @@ configfile: "config/config.yaml"
 validate(config, "config/schema.yaml")
 
 
+report: "report/workflow.rst"
+
+
 wildcard_constraints:
     server=r"\d+",
 

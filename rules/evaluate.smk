@@ -7,7 +7,11 @@ rule evaluate:
         target=TARGET,
     output:
         evaluation=result("evaluation/evaluation.json"),
-        plot=report(result("evaluation/acceptance.png"), category="Evaluation"),
+        plot=report(
+            result("evaluation/acceptance.png"),
+            caption="../report/acceptance.rst",
+            category="Evaluation",
+        ),
     log:
         log_path("evaluate"),
     benchmark:

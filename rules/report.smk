@@ -40,9 +40,21 @@ rule report:
         evaluation=rules.evaluate.output.evaluation,
         served=rules.serve_check.output.served if SERVE_CHECK else [],
     output:
-        runtimes=result("report/stage_runtimes.tsv"),
-        plot=report(result("report/stage_runtimes.png"), category="Runtime"),
-        markdown=report(result("report/report.md"), category="Summary"),
+        runtimes=report(
+            result("report/stage_runtimes.tsv"),
+            caption="../report/stage_runtimes_table.rst",
+            category="Runtime",
+        ),
+        plot=report(
+            result("report/stage_runtimes.png"),
+            caption="../report/stage_runtimes.rst",
+            category="Runtime",
+        ),
+        markdown=report(
+            result("report/report.md"),
+            caption="../report/summary.rst",
+            category="Summary",
+        ),
     log:
         log_path("report"),
     benchmark:

@@ -6,7 +6,11 @@ rule vocab_map:
         d2t=result("vocab/d2t.npy"),
         t2d=result("vocab/t2d.npy"),
         coverage=result("vocab/coverage.json"),
-        plot=report(result("vocab/coverage.png"), category="Vocabulary"),
+        plot=report(
+            result("vocab/coverage.png"),
+            caption="../report/coverage.rst",
+            category="Vocabulary",
+        ),
     log:
         log_path("vocab_map"),
     benchmark:

@@ -1,7 +1,9 @@
 """The end of the chain on the demo: a servable drafter, its acceptance and the report."""
 
 import csv
+import html
 import json
+import re
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from safetensors.torch import load_file
 from speculators.models.eagle3 import Eagle3DraftModel
 
 from draftflow.evaluate import LayerIdMismatch, check_layer_ids
-from tests.conftest import copy_demo_run, demo_config, snakemake
+from tests.conftest import REPO, copy_demo_run, demo_config, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +88,35 @@ def test_evaluate_rejects_a_drafter_trained_on_other_layers(demo_run):
     config["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]
     with pytest.raises(LayerIdMismatch, match=r"\[1, 3, 5\].*\[2, 4, 5\]"):
         check_layer_ids(config, [2, 4, 5, 8], demo_run / "drafter")
+
+
+def test_snakemake_report_shows_the_workflow_description_and_every_caption(tmp_path, workdir, demo_run):
+    """``snakemake --report`` on the demo renders report/workflow.rst and each output's
+    caption; the first sentence of each rst file is looked for, so edits carry over."""
+    report = tmp_path / "report.html"
+    snakemake(workdir, demo_config(), "--report", str(report))
+    page = report.read_text()
+
+    def embedded(script_id: str):
+        """The JSON the report's <script id=...> assigns to its variable."""
+        start = re.search(rf'<script id="{script_id}">\s*var \w+ = ', page).end()
+        return json.JSONDecoder().raw_decode(page, start)[0]
+
+    def text(rendered: str) -> str:
+        return " ".join(html.unescape(re.sub(r"<[^>]+>", "", rendered)).split())
+
+    def first_sentence(rst: str) -> str:
+        return " ".join((REPO / "report" / rst).read_text().split()).split(". ", 1)[0]
+
+    assert first_sentence("workflow.rst") in text(embedded("workflow-desc"))
+    captions = {entry["name"]: text(entry["caption"]) for entry in embedded("results").values()}
+    caption_files = {
+        "stage_runtimes.png": "stage_runtimes.rst",
+        "stage_runtimes.tsv": "stage_runtimes_table.rst",
+        "report.md": "summary.rst",
+        "coverage.png": "coverage.rst",
+        "acceptance.png": "acceptance.rst",
+    }
+    assert set(captions) == set(caption_files)
+    for output, rst in caption_files.items():
+        assert first_sentence(rst) in captions[output], output
