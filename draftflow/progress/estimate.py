@@ -1,43 +1,31 @@
-"""Progress check of stage 5: how far, how fast, when it ends, and whether it fits.
-
-Reads only what the extraction leaves under ``results/<run>/hidden_states/``:
-
-- ``plan.json``: every sample's token count (from the prepared dataset), per
-  shard, and the server job of each shard;
-- ``shard-<k>/journal.jsonl``: finished files; one counts as done only when
-  the journal lists it and its size on disk matches (what a rerun trusts);
-- the files: sizes, temp files in flight, and mtimes, which say when each
-  file was finished, so the recent rate needs no history of its own;
-- ``shard-<k>.heartbeat.json``: state, pid, whether the shard loads the model
-  (only the first of a server job's shards does), when loading began and when the
-  model became ready (rates leave model loading out);
-- ``shard-<k>.json``: the manifest; a shard with one is done.
-
-Standard library (and PyYAML for ``--config``) only, so a check is fast:
-draftflow.extract.hidden_states is not imported because it imports torch.
-"""
+"""How fast the extraction goes, when it ends, what it writes, whether it fits: the check."""
 
 from __future__ import annotations
 
-import argparse
 import bisect
-import json
-import os
 import shutil
-import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TextIO
 
 from draftflow import run_folder
 from draftflow.config import load_config
 from draftflow.costs import LATER_OUTPUTS, later_stage_bytes, tree_bytes
 from draftflow.extract import layout
+from draftflow.progress.scan import (
+    ACTIVE,
+    DoneFile,
+    Options,
+    ShardScan,
+    hidden_states_dir,
+    read_extraction_plan,
+    scan_shard,
+    shard_state,
+)
 from draftflow.target_model import TargetModel, read_target_model
 from draftflow.target_source import resolve_target
-from draftflow.units import fmt_bytes, fmt_duration, parse_size
+from draftflow.units import fmt_bytes, fmt_duration
 
 ON_TRACK, WILL_NOT_FIT, FAILED_SHARD, STALLED = 0, 3, 4, 5
 EXIT_CODES = {
@@ -47,40 +35,8 @@ EXIT_CODES = {
     STALLED: "stalled: no shard has advanced for --stall-after seconds",
 }
 STATES = ("running", "loading", "done", "not started", "failed")
-ACTIVE = ("loading", "running")
 MTIME_SLACK_S = 0.05
 
-
-@dataclass(frozen=True)
-class Options:
-    window_s: float = 300.0
-    stall_after_s: float = 600.0
-    free_bytes: int | None = None  # instead of the measured free space
-    reserve_bytes: int | None = None  # what the later stages need, instead of --config's estimate
-    config: Path | None = None
-    check_pids: bool = True
-
-
-@dataclass(frozen=True)
-class DoneFile:
-    sample_id: str
-    tokens: int
-    bytes: int
-    finished_at: float  # the file's mtime
-
-
-@dataclass
-class ShardScan:
-    """What one shard left on disk."""
-
-    shard: int
-    server: int  # the extraction job that holds it (plan.json)
-    planned: dict[str, int]  # sample id -> tokens
-    done: list[DoneFile]
-    in_flight_bytes: int
-    unjournaled_files: int
-    heartbeat: dict | None
-    has_manifest: bool
 
 
 @dataclass
@@ -169,104 +125,6 @@ class Report:
     stall: Stall
     problems: list[str]
     exit_code: int
-
-
-# -- reading the run directory ------------------------------------------------
-
-
-class ProgressError(Exception):
-    """A file the check needs is missing or not what it should be: one line, exit 1."""
-
-
-PLAN_KEYS = ("shards", "samples", "tokens", "bytes", "layer_ids")
-
-
-def hidden_states_dir(path: Path) -> Path:
-    """The extraction's folder, given ``results/<run>`` or the folder itself."""
-    for folder in (run_folder.hidden_states_dir(path), path):
-        if (folder / layout.PLAN).is_file():
-            return folder
-    raise ProgressError(
-        f"{run_folder.hidden_states_dir(path) / layout.PLAN}: no extraction plan. Give results/<run> or its "
-        f"{run_folder.HIDDEN_STATES}/ folder; the extraction's extract_plan job writes the plan as it starts."
-    )
-
-
-def read_extraction_plan(hs_dir: Path) -> dict:
-    path = hs_dir / layout.PLAN
-    try:
-        plan = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ProgressError(f"{path}: not readable ({error}); rerun the extract_plan job, which writes it") from error
-    if missing := [key for key in PLAN_KEYS if not isinstance(plan, dict) or key not in plan]:
-        raise ProgressError(
-            f"{path}: not an extraction plan (no {', '.join(missing)}); rerun the extract_plan job, which writes it"
-        )
-    return plan
-
-
-def read_json_or_none(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def directory_stats(directory: Path) -> dict[str, os.stat_result]:
-    if not directory.is_dir():
-        return {}
-    with os.scandir(directory) as entries:
-        return {entry.name: entry.stat() for entry in entries}
-
-
-def scan_shard(hs_dir: Path, shard_plan: dict) -> ShardScan:
-    shard = shard_plan["shard"]
-    shard_dir = layout.shard_dir(hs_dir, shard)
-    stats = directory_stats(shard_dir)
-    planned = {sample_id: tokens for sample_id, tokens, _ in shard_plan["samples"]}
-    digests = {sample_id: digest for sample_id, _, digest in shard_plan["samples"]}
-    _, records = layout.read_journal(layout.journal_path(shard_dir))
-    done = [
-        DoneFile(sample_id, record.tokens, record.bytes, stats[name].st_mtime)
-        for sample_id, record in records.items()
-        if digests.get(sample_id) == record.token_digest
-        and (name := layout.file_name(sample_id)) in stats
-        and stats[name].st_size == record.bytes
-    ]
-    written = {name for name in stats if layout.file_sample_id(name) is not None}
-    return ShardScan(
-        shard=shard,
-        server=shard_plan["server"],
-        planned=planned,
-        done=done,
-        in_flight_bytes=sum(st.st_size for name, st in stats.items() if layout.is_temp_file(name)),
-        unjournaled_files=len(written - {layout.file_name(f.sample_id) for f in done}),
-        heartbeat=read_json_or_none(layout.heartbeat_path(hs_dir, shard)),
-        has_manifest=layout.shard_manifest_path(hs_dir, shard).exists(),
-    )
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def shard_state(scan: ShardScan, check_pids: bool) -> tuple[str, str]:
-    """(state, note). A shard whose heartbeat says loading/running but whose
-    process no longer exists on this machine was killed: it counts as failed."""
-    if scan.has_manifest:
-        return "done", ""
-    if scan.heartbeat is None:
-        return "not started", ""
-    status, pid = scan.heartbeat["status"], scan.heartbeat["pid"]
-    if status in ACTIVE and check_pids and not process_alive(pid):
-        return "failed", f"process {pid} is gone (heartbeat said {status})"
-    return status, ""
 
 
 # -- rates: extracting time is the union of the shards' [model ready, end] ----
@@ -590,229 +448,3 @@ def check(run_dir: Path, options: Options = Options(), now: float | None = None)
         problems=[message for _, message in problems],
         exit_code=min((code for code, _ in problems), default=ON_TRACK),
     )
-
-
-# -- output -------------------------------------------------------------------
-
-
-def fmt_rate(value: float | None, unit: str) -> str:
-    return "—" if value is None else f"{value:,.1f} {unit}"
-
-
-def percent(done: int, total: int) -> float:
-    return 100.0 * done / total if total else 100.0
-
-
-def table(header: list[str], rows: list[list[str]], left: set[int]) -> list[str]:
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(row: list[str]) -> str:
-        cells = [
-            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        return "  ".join(cells).rstrip()
-
-    return [line(row) for row in [header, *rows]]
-
-
-def row(
-    label: str, state: str, samples: tuple[int, int], tokens: tuple[int, int], size: int,
-    rate: float | None, note: str,
-) -> list[str]:  # fmt: skip
-    return [
-        label, state, f"{samples[0]:,}/{samples[1]:,}", f"{tokens[0]:,}/{tokens[1]:,}",
-        f"{percent(*tokens):.1f}%", fmt_bytes(size), fmt_rate(rate, ""), note,
-    ]  # fmt: skip
-
-
-def shard_rows(report: Report) -> list[list[str]]:
-    rows = [
-        row(str(s.shard), s.state, (s.samples_done, s.samples_total), (s.tokens_done, s.tokens_total),
-            s.bytes_done, s.recent_tokens_per_s, s.note)
-        for s in report.shards
-    ]  # fmt: skip
-    total = row("total", "", (report.samples_done, report.samples_total), (report.tokens_done, report.tokens_total),
-                report.size.bytes_done, report.rates.recent_tokens_per_s, "")  # fmt: skip
-    return [*rows, total]
-
-
-def rate_line(r: Rates) -> str:
-    if r.tokens_per_s is None:
-        return "rate       — (no shard's model is ready yet)"
-    return (
-        f"rate       {fmt_rate(r.recent_tokens_per_s, 'tok/s')}, {fmt_rate(r.recent_samples_per_s, 'samples/s')} "
-        f"over the last {fmt_duration(r.recent_s)} of extraction; overall {fmt_rate(r.tokens_per_s, 'tok/s')}, "
-        f"{fmt_rate(r.samples_per_s, 'samples/s')} in {fmt_duration(r.extracting_s)} (model loading excluded)"
-    )
-
-
-def eta_line(report: Report) -> str:
-    e = report.eta
-    if report.complete:
-        return "ETA        finished"
-    if report.rates.tokens_per_s is None:
-        return "ETA        unknown until a shard's model is ready and files finish"
-    if e.seconds is None:
-        return f"ETA        unknown: no file finished in the last {fmt_duration(report.rates.window_s)} of extraction"
-    ends = time.strftime("%a %H:%M", time.localtime(e.ends_at))
-    return (
-        f"ETA        {fmt_duration(e.seconds)}, ends ~{ends}: {report.tokens_total - report.tokens_done:,} tokens left "
-        f"at the recent rate take {fmt_duration(e.extracting_s)}, {e.pending_loads} model load(s) ahead "
-        f"{fmt_duration(e.loading_s)}"
-    )
-
-
-def size_line(report: Report) -> str:
-    z = report.size
-    if z.projected_linear is None:
-        return f"size       projected total {fmt_bytes(z.projected_exact)} (plan.json, header bound); no file done yet"
-    return (
-        f"size       {z.bytes_per_token:,.1f} B/token measured; projected total {fmt_bytes(z.projected_exact)} exact "
-        f"(each remaining sample's tokens), {fmt_bytes(z.projected_linear)} linear (bytes per sample so far "
-        f"x {report.samples_total:,}: {z.projected_linear / z.projected_exact - 1:+.1%})"
-    )
-
-
-def disk_line(d: Disk) -> str:
-    return (
-        f"disk       {fmt_bytes(d.free)} free{'' if d.free_source == 'measured' else ' (--free-bytes)'}; "
-        f"hidden states still need {fmt_bytes(d.extraction_left)}, later stages {fmt_bytes(d.later_stages)} "
-        f"({d.later_stages_source}); headroom {fmt_bytes(d.headroom)}"
-    )
-
-
-STATUS = {WILL_NOT_FIT: "WILL NOT FIT", FAILED_SHARD: "FAILED SHARD", STALLED: "STALLED"}
-
-
-def summary_lines(report: Report) -> list[str]:
-    states = ", ".join(f"{n} {state}" for state, n in report.shard_states.items() if n)
-    status = STATUS.get(report.exit_code, "FINISHED" if report.complete else "ON TRACK")
-    return [
-        f"shards     {states}",
-        rate_line(report.rates),
-        eta_line(report),
-        size_line(report),
-        disk_line(report.disk),
-        *(f"WARNING    {message}" for message in report.problems),
-        f"status     {status} (exit {report.exit_code})",
-    ]
-
-
-def render_table(report: Report) -> str:
-    header = ["shard", "state", "samples", "tokens", "done", "size", "recent tok/s", "note"]
-    checked = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.checked_at))
-    lines = [f"{report.hidden_states}  (checked {checked})", ""]
-    lines += table(header, shard_rows(report), left={1, 7})
-    return "\n".join([*lines, "", *summary_lines(report)]) + "\n"
-
-
-BLOCKS = " ▏▎▍▌▋▊▉█"
-
-
-def bar(fraction: float, width: int = 30) -> str:
-    eighths = round(max(0.0, min(1.0, fraction)) * width * 8)
-    full, part = divmod(eighths, 8)
-    return ("█" * full + (BLOCKS[part] if part else "")).ljust(width)
-
-
-def bar_line(
-    label: str, tokens: tuple[int, int], samples: tuple[int, int], state: str, rate: float | None
-) -> str:
-    """A tqdm-like line; the bar fills with tokens, which is what the time goes to."""
-    fraction = tokens[0] / tokens[1] if tokens[1] else 1.0
-    count = f"{samples[0]:,}/{samples[1]:,}"
-    return f"{label:>9} |{bar(fraction)}| {fraction:6.1%} {count:>13} samples  {state:<11} {fmt_rate(rate, 'tok/s')}"
-
-
-def render_bars(report: Report) -> str:
-    lines = [f"{report.hidden_states}  {time.strftime('%H:%M:%S', time.localtime(report.checked_at))}", ""]
-    lines += [
-        bar_line(f"shard {s.shard}", (s.tokens_done, s.tokens_total), (s.samples_done, s.samples_total),
-                 s.state, s.recent_tokens_per_s)
-        for s in report.shards
-    ]  # fmt: skip
-    lines.append(bar_line("total", (report.tokens_done, report.tokens_total),
-                          (report.samples_done, report.samples_total), "", report.rates.recent_tokens_per_s))  # fmt: skip
-    return "\n".join([*lines, "", *summary_lines(report)]) + "\n"
-
-
-def render_json(report: Report) -> str:
-    return json.dumps(asdict(report), indent=2) + "\n"
-
-
-CLEAR_SCREEN = "\x1b[H\x1b[2J"
-
-
-def watch(run_dir: Path, options: Options, interval_s: float, out: TextIO = sys.stdout) -> int:
-    """Redraw the bars every ``interval_s`` until every shard is done (or Ctrl-C)."""
-    report = check(run_dir, options)
-    clear = CLEAR_SCREEN if out.isatty() else "\n"
-    try:
-        while True:
-            out.write(clear + render_bars(report))
-            out.flush()
-            if report.complete:
-                break
-            time.sleep(interval_s)
-            report = check(run_dir, options)
-    except KeyboardInterrupt:
-        pass
-    return report.exit_code
-
-
-# ---------------------------------------------------------------- command line
-
-
-def size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from error
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    codes = "; ".join(f"{code}: {meaning}" for code, meaning in EXIT_CODES.items())
-    parser = argparse.ArgumentParser(
-        description="How far the hidden-state extraction is, how fast, when it ends, and whether it fits.",
-        epilog=f"exit codes: {codes}; 1: a file it needs is missing (plan.json, --config). "
-        "When several apply, the lowest wins; --json lists them all.",
-    )
-    parser.add_argument("run_dir", type=Path, help="results/<run> (or results/<run>/hidden_states)")
-    parser.add_argument("--json", action="store_true", help="print the full report as JSON")
-    parser.add_argument("--watch", nargs="?", type=float, const=10.0, metavar="SECONDS",
-                        help="redraw progress bars every SECONDS (default 10) until every shard is done")  # fmt: skip
-    parser.add_argument("--window", type=float, default=Options.window_s, metavar="SECONDS",
-                        help="extracting time the recent rate (and the ETA) covers (default %(default)g)")  # fmt: skip
-    parser.add_argument("--stall-after", type=float, default=Options.stall_after_s, metavar="SECONDS",
-                        help="warn (exit 5) when no shard has advanced for this long and none is loading "
-                        "(default %(default)g)")  # fmt: skip
-    parser.add_argument("--free-bytes", type=size, metavar="SIZE",
-                        help="free space to plan with instead of the output filesystem's (e.g. 800G, 1.5TB, 2TiB)")  # fmt: skip
-    parser.add_argument("--config", type=Path, metavar="YAML",
-                        help="the run's config: estimates what the later stages (drafters, checkpoints, report) write")  # fmt: skip
-    parser.add_argument("--reserve-bytes", type=size, metavar="SIZE",
-                        help="space the later stages need, instead of --config's estimate")  # fmt: skip
-    parser.add_argument("--no-pid-check", dest="check_pids", action="store_false",
-                        help="shards run on other machines: do not treat a missing local pid as a failed shard")  # fmt: skip
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    options = Options(
-        window_s=args.window,
-        stall_after_s=args.stall_after,
-        free_bytes=args.free_bytes,
-        reserve_bytes=args.reserve_bytes,
-        config=args.config,
-        check_pids=args.check_pids,
-    )
-    try:
-        if args.watch is not None:
-            return watch(args.run_dir, options, args.watch)
-        report = check(args.run_dir, options)
-    except (ProgressError, FileNotFoundError) as error:
-        print(f"progress: {error}", file=sys.stderr)
-        return 1
-    print(render_json(report) if args.json else render_table(report), end="")
-    return report.exit_code
