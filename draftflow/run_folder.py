@@ -64,9 +64,10 @@ def host_memory_resources() -> dict[str, dict[str, int]]:
     return {rule: {"mem_mb": mb} for rule, mb in memory.items()}
 
 
-def run_stages(serve_check: bool) -> list[Stage]:
-    """The stages a run's config runs, in order."""
-    return [s for s in STAGES if serve_check or s.rule not in OPTIONAL_STAGES]
+def stages_before_report(serve_check: bool) -> list[Stage]:
+    """The stages whose benchmarks the report sums and whose inputs provenance
+    records, in order (serve_check where the config runs it)."""
+    return [s for s in STAGES if s.rule not in ("report", "provenance") and (serve_check or s.rule not in OPTIONAL_STAGES)]
 
 
 def result(run: str, path: str) -> str:

@@ -1,8 +1,5 @@
-# every stage before the report: the inputs provenance records
 PROVENANCE_STAGES = [
-    stage.rule
-    for stage in run_folder.run_stages(SERVE_CHECK)
-    if stage.rule not in ("report", "provenance")
+    stage.rule for stage in run_folder.stages_before_report(SERVE_CHECK)
 ]
 
 

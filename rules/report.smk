@@ -5,31 +5,10 @@ localrules:
 rule report:
     input:
         benchmarks=[
-            benchmark_path(stage)
-            for stage in (
-                "prompts",
-                "generate",
-                "prepare",
-                "vocab_map",
-                "extract_plan",
-            )
-        ]
-        + expand(
-            benchmark_path("extract_server-{server}"),
-            server=range(EXTRACT_SERVERS),
-        )
-        + [
-            benchmark_path(stage)
-            for stage in (
-                "extract",
-                "fidelity",
-                "drafter_init",
-                "train_views",
-                "train",
-                "evaluate",
-            )
-        ]
-        + ([benchmark_path("serve_check")] if SERVE_CHECK else []),
+            benchmark_path(name)
+            for stage in run_folder.stages_before_report(SERVE_CHECK)
+            for name in stage.benchmark_names(EXTRACT_SERVERS)
+        ],
         prompts=rules.prompts.output.stats,
         generate=rules.generate.output.stats,
         prepare=rules.prepare.output.stats,
