@@ -224,24 +224,15 @@ def save_drafter(model: Eagle3DraftModel, output: Path) -> None:
         model.save_pretrained(str(tmp))
 
 
-def train_with_trainer(
-    init_dir: Path, view_dir: Path, settings: TrainSettings, work_dir: Path, output: Path
-) -> dict:
-    """speculators' Trainer under torchrun, one process per GPU.
+# speculators' Trainer validates on the last rows of its data and takes no ratio of 1
+# (train_data_ratio must lie in (0, 1)): the smallest share it allows, on rows that
+# train_views already split from evaluation's.
+TRAINER_DATA_RATIO = 0.99
 
-    ``draftflow.trainer_launch`` runs speculators' own entry point and keeps the
-    Trainer's per-step metric records and each rank's peak GPU memory in
-    ``work_dir/metrics.jsonl``, so the stats say what the CPU loop's say: steps,
-    losses and supervised tokens/s.
-    """
-    data_ratio = 0.99  # the Trainer trains on the view's first 99% of rows; the rest validates
-    metrics = work_dir / "metrics.jsonl"
-    work_dir.mkdir(parents=True, exist_ok=True)
-    metrics.unlink(missing_ok=True)
-    started = time.monotonic()
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={settings.gpus}",
-        "-m", trainer_launch.__name__, str(metrics),
+
+def trainer_flags(init_dir: Path, view_dir: Path, settings: TrainSettings, work_dir: Path) -> list[str]:
+    """speculators' ``train`` flags for ``settings``: the Trainer's recipe, also timed by bench/gpu/train_bench.py."""
+    return [
         "--speculator-type", "eagle3",
         "--from-pretrained", str(init_dir),
         "--verifier-name-or-path", drafter_identity(init_dir)[0],
@@ -264,8 +255,28 @@ def train_with_trainer(
         "--total-seq-len", str(settings.seq_length),
         "--on-missing", "raise",
         "--hidden-states-backend", "fp8",  # reads both extract.storage formats (see data_loader)
-        "--train-data-ratio", str(data_ratio),
+        "--train-data-ratio", str(TRAINER_DATA_RATIO),
         "--log-dir", str(work_dir / "logs"),
+    ]  # fmt: skip
+
+
+def train_with_trainer(
+    init_dir: Path, view_dir: Path, settings: TrainSettings, work_dir: Path, output: Path
+) -> dict:
+    """speculators' Trainer under torchrun, one process per GPU.
+
+    ``draftflow.trainer_launch`` runs speculators' own entry point and keeps the
+    Trainer's per-step metric records and each rank's peak GPU memory in
+    ``work_dir/metrics.jsonl``, so the stats say what the CPU loop's say: steps,
+    losses and supervised tokens/s.
+    """
+    metrics = work_dir / "metrics.jsonl"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    metrics.unlink(missing_ok=True)
+    started = time.monotonic()
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={settings.gpus}",
+        "-m", trainer_launch.__name__, str(metrics), *trainer_flags(init_dir, view_dir, settings, work_dir),
     ]  # fmt: skip
     subprocess.run(command, check=True)
     seconds = time.monotonic() - started
@@ -278,7 +289,7 @@ def train_with_trainer(
         "gpus": settings.gpus,
         "trainer": f"speculators Trainer ({settings.gpus} process{'es' if settings.gpus > 1 else ''}, bf16 autocast)",
     }
-    return stats | trainer_metrics(metrics, view_dir, settings, data_ratio)
+    return stats | trainer_metrics(metrics, view_dir, settings, TRAINER_DATA_RATIO)
 
 
 def trainer_metrics(metrics: Path, view_dir: Path, settings: TrainSettings, data_ratio: float) -> dict:

@@ -212,23 +212,16 @@ def memory(device: torch.device) -> dict:
             "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}  # fmt: skip
 
 
-def run_trainer(init_dir: Path, verifier: Path, view: Path, work: Path, settings, args, device) -> dict:
+def run_trainer(init_dir: Path, view: Path, work: Path, settings, args, device) -> dict:
     """speculators' Trainer in this process, with train_with_trainer's flags."""
     from speculators.train.cli import main as train_main
     from speculators.train.config import TrainConfig
 
+    from draftflow.train import trainer_flags
+
     argv = [
-        "--speculator-type", "eagle3", "--from-pretrained", str(init_dir),
-        "--verifier-name-or-path", str(verifier),
-        "--ttt-steps", str(settings.ttt_steps), "--ttt-step-loss-decay", str(settings.ttt_step_loss_decay),
-        "--loss-fn", settings.loss_fn, "--loss-implementation", settings.loss_implementation,
-        "--draft-attn-impl", settings.attention, "--optimizer", "adamw", "--scheduler-type", "cosine",
-        "--seed", str(settings.seed), "--save-path", str(work / "checkpoints"), "--data-path", str(view),
-        "--epochs", "1", "--lr", str(settings.lr), "--weight-decay", str(settings.weight_decay),
-        "--scheduler-warmup-steps", str(settings.warmup_steps), "--total-seq-len", str(settings.seq_length),
-        "--on-missing", "raise", "--hidden-states-backend", "fp8", "--train-data-ratio", "0.99",
-        "--max-steps", str(args.trainer_steps + args.warmup), "--log-freq", "1",
-        "--num-workers", str(args.num_workers), "--log-dir", str(work / "logs"),
+        *trainer_flags(init_dir, view, settings, work),
+        "--max-steps", str(args.trainer_steps + args.warmup), "--log-freq", "1", "--num-workers", str(args.num_workers),
     ]  # fmt: skip
     clock = StepClock()
     root = logging.getLogger()
@@ -333,7 +326,7 @@ def main() -> None:
         hs_dir = args.hs_dir
         rows = json.loads((hs_dir.parent.parent / "samples.json").read_text()) if not (hs_dir / "samples.json").exists() else json.loads((hs_dir / "samples.json").read_text())
     prepared = prepare(shape, layer_ids, args.work, args.hs_dir, rows, args.attention, args.device, args.storage)
-    verifier, view, init_dir = prepared["verifier"], prepared["view"], prepared["init_dir"]
+    view, init_dir = prepared["view"], prepared["init_dir"]
     report["data"], report["init_seconds"] = prepared["data"], prepared["init_seconds"]
     report["setup_seconds"] = time.perf_counter() - started
     log(f"setup: {report['data']}, {report['setup_seconds']:.0f} s")
@@ -349,7 +342,7 @@ def main() -> None:
     fresh = torch._dynamo.reset  # each run compiles the drafter afresh, as in its own process
     if args.trainer_steps and device.type == "cuda":
         fresh()
-        runs["trainer"] = run_trainer(init_dir, verifier, view, args.work, settings, args, device)
+        runs["trainer"] = run_trainer(init_dir, view, args.work, settings, args, device)
         log(f"trainer: {runs['trainer'].get('tok_s', 0):,.0f} tok/s, peak {runs['trainer'].get('peak_allocated_gib', 0):.1f} GiB")
         save()
     for variant in filter(None, args.loops.split(",")):
