@@ -50,8 +50,9 @@ from draftflow.extract import layout
 from draftflow.extract.fidelity import decide_for_config
 from draftflow.extract.layout import ExtractionSettings, Sample
 from draftflow.fingerprint import target_fingerprint
-from draftflow.gpus import concurrent_servers, local_gpu_count, server_gpus
+from draftflow.gpus import local_gpu_count
 from draftflow.io import read_json, write_text
+from draftflow.job_placement import concurrent_servers, server_gpus
 from draftflow.layers import resolve_layer_ids
 from draftflow.prepared_rows import PrepareStats, prepared_token_ids, select_rows
 from draftflow.prompts import select_prompts

@@ -4,9 +4,9 @@ from pathlib import Path
 
 from draftflow.provenance import code_version as draftflow_code_version
 from draftflow.extract.fidelity import decide_for_config, fidelity_tolerance
-from draftflow.gpus import (
+from draftflow.gpus import local_gpu_count
+from draftflow.job_placement import (
     concurrent_servers,
-    local_gpu_count,
     server_gpus,
     snakemake_runs_locally,
 )

@@ -1,4 +1,4 @@
-"""GPU placement on one machine (draftflow.gpus), with fake device lists."""
+"""GPU placement on one machine (draftflow.gpus) and where jobs run (draftflow.job_placement), with fake device lists."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yte
 
-from draftflow import gpus
+from draftflow import gpus, job_placement
 from tests.conftest import REPO, SNAKEMAKE
 
 PYTHON = sys.executable
@@ -295,7 +295,7 @@ def test_snakemake_jobs_under_a_gpu_cap_get_disjoint_devices(tmp_path):
     ],
 )
 def test_snakemake_runs_locally_reads_the_command_line(argv, environ, local):
-    assert gpus.snakemake_runs_locally(argv, environ) is local
+    assert job_placement.snakemake_runs_locally(argv, environ) is local
 
 
 def render_default_profile(monkeypatch, argv, devices=None):
@@ -312,7 +312,7 @@ def test_default_profile_caps_gpus_at_the_local_devices_only_for_local_runs(monk
     local = render_default_profile(monkeypatch, ["-n"], "0,1,2")
     assert local["cores"] == "all"
     assert local["resources"]["gpu"] == 3
-    assert local["resources"]["mem_mb"] == gpus.local_memory_mb()
+    assert local["resources"]["mem_mb"] == job_placement.local_memory_mb()
     assert render_default_profile(monkeypatch, [], "none")["resources"]["gpu"] == 0
 
     # beside a cluster profile, nothing of it may replace the cluster profile's keys
@@ -343,5 +343,5 @@ def test_default_profile_sets_memory_for_every_rule(monkeypatch):
     ],
 )  # fmt: skip
 def test_extraction_server_jobs_fit_the_gpus_and_never_exceed_the_shards(configured, shards, per_server, local_gpus, servers, why):
-    count, reason = gpus.concurrent_servers(configured, shards, per_server, local_gpus)
+    count, reason = job_placement.concurrent_servers(configured, shards, per_server, local_gpus)
     assert count == servers and why in reason
