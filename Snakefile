@@ -6,7 +6,7 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
-validate(config, "config/schema.yaml")
+validate(config, "draftflow/config_schema.yaml")
 
 
 report: "report/workflow.rst"

@@ -1,6 +1,6 @@
 """A run's config as the workflow sees it, for tools that read one outside Snakemake.
 
-The Snakefile validates the config against ``config/schema.yaml`` and fills in
+The Snakefile validates the config against ``draftflow/config_schema.yaml`` and fills in
 its defaults; :func:`load_config` does the same for the progress check and the
 plan, so the schema stays the one place a default is spelled.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-SCHEMA = Path(__file__).resolve().parents[1] / "config/schema.yaml"
+SCHEMA = Path(__file__).resolve().with_name("config_schema.yaml")  # in the package: installed commands read it too
 
 
 @functools.cache

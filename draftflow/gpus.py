@@ -321,8 +321,8 @@ def claim_gpus(
         _release(held)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m draftflow.gpus", description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None, prog: str = "python -m draftflow.gpus") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="claim GPUs, then exec COMMAND with CUDA_VISIBLE_DEVICES set")
     run.add_argument("-n", "--count", type=int, required=True)

@@ -480,9 +480,9 @@ def render_json(plan: Plan) -> str:
     return json.dumps(asdict(plan), indent=2) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m draftflow.plan") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m draftflow.plan",
+        prog=prog,
         description="What a run will cost per stage (jobs, GPUs, model loads, bytes, time, GPU-hours) before it starts.",
         epilog="exit codes: 0 fits; 3 will not fit; 1 a file it needs is missing; 2 bad arguments.",
     )

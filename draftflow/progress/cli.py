@@ -19,11 +19,12 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from error
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     codes = "; ".join(f"{code}: {meaning}" for code, meaning in EXIT_CODES.items())
     parser = argparse.ArgumentParser(
+        prog=prog,
         description="How far the hidden-state extraction is, how fast, when it ends, and whether it fits.",
-        epilog=f"exit codes: {codes}; 1: a file it needs is missing (plan.json, --config). "
+        epilog=f"exit codes: {codes}; 1: a file it needs is missing or unreadable (the extraction's plan.json, --config). "
         "When several apply, the lowest wins; --json lists them all.",
     )
     parser.add_argument("run_dir", type=Path, help="results/<run> (or results/<run>/hidden_states)")
@@ -46,8 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "scripts/progress.py") -> int:
+    args = parse_args(argv, prog)
     options = Options(
         window_s=args.window,
         stall_after_s=args.stall_after,
