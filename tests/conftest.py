@@ -45,7 +45,15 @@ def snakemake(
     ]  # fmt: skip
     # a copy's own draftflow, ahead of the checkout's that the venv's .pth file names
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(workflow), os.environ.get("PYTHONPATH")]))}
-    process = subprocess.run(command, capture_output=True, text=True, env=env)
+    # its own session, stopped with all its jobs if the test ends first: on Ctrl-C,
+    # Snakemake would finish its running jobs, minutes after pytest is gone
+    running = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = running.communicate()
+    finally:
+        stop_group(running)
+    process = subprocess.CompletedProcess(command, running.returncode, stdout, stderr)
     if check and process.returncode != 0:
         pytest.fail(f"snakemake failed ({process.returncode}):\n{process.stderr[-6000:]}")
     return process
@@ -158,7 +166,24 @@ def start_snakemake(workdir: Path, config: dict, *args: str) -> subprocess.Popen
     with output_path.open("w") as output:
         process = subprocess.Popen(command, start_new_session=True, stdout=output, stderr=subprocess.STDOUT)
     process.workdir, process.output_path = workdir, output_path
+    STARTED.append(process)
     return process
+
+
+STARTED: list[subprocess.Popen] = []  # this worker's background runs: none outlives the session
+
+
+def pytest_configure(config):
+    signal.signal(signal.SIGTERM, interrupted)  # stopped from outside: tear down as on Ctrl-C
+
+
+def interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for process in STARTED:
+        stop_group(process)
 
 
 def complete_lines(path: Path) -> int:
