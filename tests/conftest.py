@@ -195,7 +195,10 @@ def output_tail(process: subprocess.Popen) -> str:
     return process.output_path.read_text()[-6000:]
 
 
-def wait_until(ready, process: subprocess.Popen, timeout_s: float, moment: str) -> None:
+MOMENT_TIMEOUT_S = 1200  # a moment of a demo-sized run (a server up, a shard's 11th file) on 2 busy cores
+
+
+def wait_until(ready, process: subprocess.Popen, moment: str, timeout_s: float = MOMENT_TIMEOUT_S) -> None:
     """Poll ``ready()`` while the background workflow runs; fail, with its output's
     tail, when it ends first or ``timeout_s`` pass (a bound for a broken run, not a pace)."""
     deadline = time.monotonic() + timeout_s

@@ -30,11 +30,13 @@ from datasets import load_from_disk
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from draftflow import run_folder
 from draftflow.config import load_config
 from draftflow.extract import layout
 from draftflow.io import iter_jsonl, write_jsonl
 from draftflow.plan import build_plan, rates_from_run
 from draftflow.report import read_benchmark
+from draftflow.run_folder import STAGE
 from draftflow.vllm_server import server_env, target_server_args, vllm_server
 from tests.compare import assert_same_files
 from tests.conftest import demo_config, snakemake
@@ -344,7 +346,7 @@ def test_the_plan_from_another_runs_rates_foretells_a_larger_clean_run(lab, edit
     written = sum(path.stat().st_size for path in layout.hidden_state_files(results(clean) / "hidden_states"))
     low, high = PLAN_BYTES_WITHIN
     assert low <= stages["extract_server"].bytes_written / written <= high, (stages["extract_server"].bytes_written, written)
-    measured = {name: read_benchmark(clean / f"benchmarks/{RUN}/{name}{'-0' if name == 'extract_server' else ''}.tsv")["seconds"]
+    measured = {name: read_benchmark(clean / run_folder.benchmark_path(RUN, STAGE[name].benchmark_names(1)[0]))["seconds"]
                 for name in SCALED_STAGES}  # fmt: skip
     low, high = PLAN_SECONDS_WITHIN
     ratios = {name: stages[name].seconds / seconds for name, seconds in measured.items()}

@@ -19,7 +19,7 @@ def kill_when(workdir: Path, config: dict, ready, moment: str) -> None:
     """Run the workflow and SIGKILL its process group as soon as ``ready()`` holds, then
     unlock its folder (no other run lives there)."""
     process = start_snakemake(workdir, config, "--rerun-incomplete")
-    wait_until(ready, process, 1200, moment)
+    wait_until(ready, process, moment)
     stop_group(process)
     snakemake(workdir, config, "--unlock")  # a killed Snakemake leaves its lock
 

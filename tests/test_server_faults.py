@@ -28,7 +28,7 @@ def kill_server_during(workdir: Path, config: dict, target: str, ready, moment: 
     Returns the workflow's exit code and the killed server's pid.
     """
     process = start_snakemake(workdir, config, target)
-    wait_until(ready, process, 1200, moment)
+    wait_until(ready, process, moment)
     port = config["vllm"]["port"]
     found = subprocess.run(["pgrep", "-f", "--", f"--port {port}( |$)"], check=False, capture_output=True, text=True)
     pid = int(found.stdout.split()[0])

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from draftflow import run_folder
 from tests.conftest import REPO, SNAKEMAKE, demo_config
 
 SLURM_SH = REPO / ".ci/slurm.sh"
@@ -174,7 +175,7 @@ def test_workflow_runs_through_slurm_and_matches_a_local_run(slurm_cluster, tmp_
     for output in PROMPT_OUTPUTS:
         assert (on_slurm / output).read_bytes() == (local / output).read_bytes(), output
     assert len((local / PROMPT_OUTPUTS[0]).read_text().splitlines()) == 20
-    assert (on_slurm / "benchmarks/slurm/prompts.tsv").exists()
+    assert (on_slurm / run_folder.benchmark_path("slurm", "prompts")).exists()
 
 
 GPU_SNAKEFILE = textwrap.dedent(
