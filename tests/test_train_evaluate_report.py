@@ -32,6 +32,11 @@ def test_drafter_loads_and_matches_extraction_and_vocab(demo_run):
     assert model.target_layer_ids == plan["layer_ids"][:-1]
 
 
+# The demo drafter's mean acceptance length, offline and served: 2.890 and 2.682 in both
+# suite runs compared on 2026-12-01; 15% left for another machine's rounding in CPU training.
+MEASURED_ACCEPTANCE, SERVED_ACCEPTANCE, ACCEPTANCE_SPREAD = 2.890, 2.682, 0.15
+
+
 def test_trained_drafter_beats_the_untrained_floor_and_passes_the_gate(demo_run):
     evaluation = json.loads((demo_run / "evaluation/evaluation.json").read_text())
     trained, untrained = evaluation["trained"], evaluation["untrained"]
@@ -39,13 +44,14 @@ def test_trained_drafter_beats_the_untrained_floor_and_passes_the_gate(demo_run)
     assert trained["acceptance_per_position"] == sorted(trained["acceptance_per_position"], reverse=True)
     assert evaluation["gate"]["passed"]
     assert trained["mean_acceptance_length"] >= demo_config()["evaluate"]["min_acceptance_length"]
+    assert trained["mean_acceptance_length"] == pytest.approx(MEASURED_ACCEPTANCE, rel=ACCEPTANCE_SPREAD)
     assert evaluation["heldout_samples"] > 0
 
 
 def test_vllm_serves_the_drafter_and_counts_acceptance(demo_run):
     served = json.loads((demo_run / "evaluation/served.json").read_text())
     assert served["drafts"] > 0
-    assert 1.5 < served["mean_acceptance_length"] <= 1 + demo_config()["evaluate"]["draft_tokens"]
+    assert served["mean_acceptance_length"] == pytest.approx(SERVED_ACCEPTANCE, rel=ACCEPTANCE_SPREAD)
 
 
 def test_heldout_samples_never_reach_training(tmp_path, demo_run):
