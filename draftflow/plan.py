@@ -51,7 +51,7 @@ from draftflow.extract.fidelity import decide_for_config
 from draftflow.extract.layout import ExtractionSettings, Sample
 from draftflow.fingerprint import target_fingerprint
 from draftflow.gpus import local_gpu_count
-from draftflow.io import read_json, write_text
+from draftflow.io import iter_jsonl, read_json, write_text
 from draftflow.job_placement import concurrent_servers, server_gpus
 from draftflow.layers import resolve_layer_ids
 from draftflow.prepared_rows import PrepareStats, prepared_token_ids, select_rows
@@ -189,20 +189,19 @@ def load_rates(source: Path | None, device: str) -> Rates:
 # -- work -------------------------------------------------------------------------
 
 
-def message_chars(row: dict) -> int:
-    turns = row.get("messages") or row.get("conversations") or []
-    return sum(len(str(turn.get("content") or turn.get("value") or "")) for turn in turns)
+def message_chars(conversation: dict) -> int:
+    return sum(len(turn["content"]) for turn in conversation["messages"])
 
 
-def prompt_chars(path: Path) -> tuple[int, int]:
-    """(conversations, characters of their messages) of a prompts file."""
-    count = chars = 0
-    with path.open() as stream:
-        for line in stream:
-            if line.strip():
-                count += 1
-                chars += message_chars(json.loads(line))
-    return count, chars
+def sampled_conversations(config: dict, run_dir: Path) -> list[dict]:
+    """The conversations the prompts stage sampled, or would sample: read as it reads
+    them (bad rows as ``data.on_bad_row`` says, duplicates dropped)."""
+    sampled = run_folder.stage_dir(run_dir, "prompts") / "conversations.jsonl"
+    if sampled.exists():
+        return list(iter_jsonl(sampled))
+    data = config["data"]
+    paths = [Path(path) for path in data["prompt_files"]]
+    return select_prompts(paths, data["num_samples"], config["seed"], data["on_bad_row"])[0]
 
 
 def work_from_stats(config: dict, run_dir: Path, rates: Rates) -> dict:
@@ -222,12 +221,9 @@ def work_from_stats(config: dict, run_dir: Path, rates: Rates) -> dict:
     else:
         prompt = rates.prompt_tokens
         if prompt is None:
-            sampled = run_folder.stage_dir(run_dir, "prompts") / "conversations.jsonl"
-            files = [sampled] if sampled.exists() else [Path(path) for path in config["data"]["prompt_files"]]
-            counts = [prompt_chars(path) for path in files]
-            rows, chars = sum(c for c, _ in counts), sum(c for _, c in counts)
-            prompt = chars / max(rows, 1) / CHARS_PER_TOKEN
-            samples = min(samples, rows) if samples else rows
+            conversations = sampled_conversations(config, run_dir)
+            prompt = sum(map(message_chars, conversations)) / max(len(conversations), 1) / CHARS_PER_TOKEN
+            samples = len(conversations)
         response, source = response_estimate(config, rates)
     per_sample = min(prompt + response, config["prepare"]["max_seq_length"])
     return all_to_compute({"samples": samples, "tokens": round(samples * per_sample),

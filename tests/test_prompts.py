@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from draftflow.plan import DEFAULT_RATES, work_from_stats
 from draftflow.prompts import BadPromptRow, safe_sample_id, select_prompts
 
 
@@ -71,3 +72,21 @@ def test_sample_ids_cannot_escape_a_directory():
     assert safe_sample_id("../../etc/passwd", "ab" * 32) == "etc_passwd"
     assert safe_sample_id("..", "ab" * 32) == "h" + "ab" * 8
     assert "/" not in safe_sample_id("a/b", "00" * 32)
+
+
+def test_the_plan_counts_the_prompts_the_prompts_stage_would_sample(tmp_path, monkeypatch):
+    """Before any run (no sampled conversations, prompt files found from the cwd), the plan's
+    sample count is the prompts stage's: bad rows skipped or refused as data.on_bad_row says,
+    duplicates dropped."""
+    rows = [openai_row(1), openai_row(2), sharegpt_row(3), openai_row(1)]  # the last: a duplicate
+    prompts = write_lines(tmp_path / "prompts.jsonl", rows)
+    with prompts.open("a") as stream:
+        stream.write('{"messages": [{"role": "user", "content": "a \x01 control character"}]}\n')
+    config = {"seed": 0, "data": {"prompt_files": ["prompts.jsonl"], "num_samples": 10, "on_bad_row": "skip"},
+              "generate": {"max_tokens": 64}, "prepare": {"max_seq_length": 512}}  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "elsewhere/results/demo"
+    assert work_from_stats(config, run_dir, DEFAULT_RATES["cpu"])["samples"] == 3
+    config["data"]["on_bad_row"] = "fail"
+    with pytest.raises(BadPromptRow, match=r"prompts.jsonl, line 5: .*data.on_bad_row: skip"):
+        work_from_stats(config, run_dir, DEFAULT_RATES["cpu"])
