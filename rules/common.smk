@@ -17,7 +17,7 @@ from draftflow.plan import write_plan
 from draftflow.target_model import read_target_model
 from draftflow.target_source import resolve_target
 from draftflow.vllm_server import server_env, target_server_args
-from draftflow.vllm_support import check_cpu_engine, cpu_server_args
+from draftflow.vllm_support import check_architecture, check_cpu_engine, cpu_server_args
 
 RUN = config["run"]
 DEMO_TARGET = "resources/demo-target"
@@ -122,6 +122,7 @@ def check_target_now():
     target = read_target_model(TARGET)
     resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
     target.check_draft_vocab_size(config["vocab"]["draft_vocab_size"])
+    check_architecture(target, local_vllm_stages())
     if config["device"] == "cpu":
         check_cpu_engine(target, local_vllm_stages())
 

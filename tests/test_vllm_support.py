@@ -13,6 +13,7 @@ from draftflow.vllm_support import (
     cpu_engine_problems,
     cpu_server_args,
 )
+from draftflow.vllm_registry import ArchitectureSupport, architecture_support, vllm_build
 from tests.conftest import demo_config, snakemake
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8,
@@ -105,3 +106,35 @@ def test_the_workflow_stops_before_any_job_and_plans_its_jobs_with_the_ways_out(
         evaluate={"serve_check": False},
     )
     assert "Job stats" in snakemake(tmp_path, ways_out, "-n").stdout
+
+
+GEMMA3_TEXT = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 8,
+               "hidden_size": 128, "num_attention_heads": 2, "head_dim": 64, "vocab_size": 3072}  # fmt: skip
+
+
+def test_an_architecture_without_supports_eagle3_stops_before_any_job_naming_vllm_and_the_ways_out(tmp_path):
+    """vLLM serves Gemma-3's text model but gives no aux hidden states for it: extraction,
+    its fidelity check and serving a drafter beside it are refused at parse, generation is not."""
+    folder = target(tmp_path, GEMMA3_TEXT, "gemma3")
+    process = snakemake(tmp_path, demo_config(target={"path": str(folder)}), "-n", check=False)
+    output = process.stdout + process.stderr
+    assert process.returncode != 0 and "Job stats" not in output and not (tmp_path / "results").exists()
+    assert f"vLLM ({vllm_build()}) cannot do what this run asks of Gemma3ForCausalLM" in output
+    assert "does not implement SupportsEagle3" in output
+    for stage_way_out in ("extract (extract.backend: transformers)", "fidelity (extract.fidelity: never)",
+                          "serve_check (evaluate.serve_check: false)"):  # fmt: skip
+        assert stage_way_out in output
+    assert "generate (" not in output
+    ways_out = demo_config(
+        target={"path": str(folder)}, extract={"backend": "transformers", "fidelity": "never"}, evaluate={"serve_check": False}
+    )
+    assert "Job stats" in snakemake(tmp_path, ways_out, "-n").stdout
+
+
+def test_vllm_says_which_architectures_it_pairs_with_eagle3(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # asked of vLLM now, not read from earlier answers
+    support = architecture_support(["LlamaForCausalLM", "Gemma3ForCausalLM", "NoSuchForCausalLM"], vllm_build())
+    assert len(json.loads((tmp_path / "draftflow/vllm-architectures.json").read_text())) == 3
+    assert support["LlamaForCausalLM"] == ArchitectureSupport(known=True, eagle3=True, error=None)
+    assert support["Gemma3ForCausalLM"] == ArchitectureSupport(known=True, eagle3=False, error=None)
+    assert not support["NoSuchForCausalLM"].known
