@@ -144,6 +144,11 @@ class TargetModel:
         files = list(self.folder.glob("*.safetensors"))
         return sum(path.stat().st_size for path in files) if files else None
 
+    def check_output_head(self) -> None:
+        """Stop on a checkpoint whose weights lack the output head its config says it has."""
+        if self.weight_bytes is not None:
+            _ = self.head_weights  # raises naming the file and what to do
+
     @cached_property
     def head_weights(self) -> HeadWeights:
         files = weight_files(self.folder)
@@ -155,7 +160,9 @@ class TargetModel:
         if not tied and lm_head is None:
             raise TargetModelError(
                 f"{self.config_file} says tie_word_embeddings is false, but the weights in "
-                f"{self.folder} hold no lm_head ({' or '.join(candidates)})"
+                f"{self.folder} hold no lm_head ({' or '.join(candidates)}): vLLM would serve an "
+                "output layer of zeros without a warning, and every answer would be one token repeated. "
+                "Add the checkpoint's lm_head weights, or set tie_word_embeddings: true if the model ties them."
             )
         embed_tokens, final_norm = f"{prefix}{EMBEDDING}", f"{prefix}{FINAL_NORM}"
         head = embed_tokens if tied else lm_head

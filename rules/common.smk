@@ -120,6 +120,7 @@ def check_target_now():
     if not (Path(TARGET) / "config.json").exists():
         return
     target = read_target_model(TARGET)
+    target.check_output_head()
     resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
     target.check_draft_vocab_size(config["vocab"]["draft_vocab_size"])
     check_architecture(target, local_vllm_stages())

@@ -21,7 +21,8 @@ def example_config(name, tmp_path, num_layers, weight_bytes=None):
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"num_hidden_layers": num_layers, "vocab_size": 128256}))
     if weight_bytes:
-        index = {"metadata": {"total_size": weight_bytes}, "weight_map": {}}
+        names = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")  # what the parse reads of them
+        index = {"metadata": {"total_size": weight_bytes}, "weight_map": dict.fromkeys(names, "model-00001-of-00004.safetensors")}
         (target / "model.safetensors.index.json").write_text(json.dumps(index))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')

@@ -106,3 +106,18 @@ def test_the_parse_time_check_reads_a_nested_text_model(tmp_path):
     config["extract"] = {**config["extract"], "layer_ids": [2, 70]}
     refused = snakemake(tmp_path, config, "-n", check=False)
     assert refused.returncode != 0 and "do not fit the target's 61 layers" in refused.stdout + refused.stderr
+
+
+def test_a_checkpoint_without_its_output_head_stops_at_parse_time_naming_the_consequence(tmp_path):
+    config = example_config("llama-8b-1gpu.yaml", tmp_path, 32)
+    names = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]  # no lm_head.weight
+    save_file({name: torch.zeros(2) for name in names}, str(tmp_path / "target/model.safetensors"))
+    untied = {"num_hidden_layers": 32, "vocab_size": 128256, "tie_word_embeddings": False}
+    (tmp_path / "target/config.json").write_text(json.dumps(untied))
+    refused = snakemake(tmp_path, config, "-n", check=False)
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "Job stats" not in output
+    assert f"{tmp_path / 'target/config.json'} says tie_word_embeddings is false" in output
+    assert "every answer would be one token repeated" in output
+    (tmp_path / "target/config.json").write_text(json.dumps({**untied, "tie_word_embeddings": True}))
+    assert "Job stats" in snakemake(tmp_path, config, "-n").stdout
