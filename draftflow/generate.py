@@ -17,6 +17,7 @@ from statistics import mean
 from speculators.data_generation.vllm_client import RETRY_BACKOFF_BASE
 from transformers import AutoTokenizer
 
+from draftflow.answer_checks import CUT, answer_flaws, check_answers, flaw_stats
 from draftflow.answers import (
     as_asked,
     conversation_key,
@@ -40,6 +41,7 @@ class GenerationSettings:
     seed: int
     reasoning_end_marker: str
     max_error_fraction: float
+    max_degenerate_fraction: float
 
 
 def regenerate(
@@ -149,7 +151,6 @@ def generation_stats(
         "samples": len(rows),
         "conversations": len({row["primary_id"] for row in rows}),
         "errors": len(errors),
-        "truncated": sum(row["metadata"].get("finish_reason") == "length" for row in rows),
         "reasoning_capture_rate": captured / len(rows) if rows else 0.0,
         "mean_prompt_tokens": mean(prompt_tokens) if rows else 0.0,
         "mean_response_tokens": mean(response_tokens) if rows else 0.0,
@@ -232,12 +233,15 @@ def finish(
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     stats = generation_stats(rows, errors, tokenizer, settings.reasoning_end_marker, seconds, asked_now)
     stats |= lost_turn_stats(asked, rows)
+    flaws = answer_flaws(rows, settings.max_tokens)
+    stats |= flaw_stats(flaws) | {"truncated": sum(CUT in found for found in flaws.values())}
     stats["warnings"] = lost_turns_warnings(stats, settings.max_tokens)
     for warning in stats["warnings"]:
         print(f"WARNING: {warning}")
     write_jsonl(errors_output, errors)
     write_json(stats_output, stats)
     check_error_rate(stats, settings.max_error_fraction, errors_path(store))
+    check_answers(rows, flaws, tokenizer.decode, settings.max_degenerate_fraction, stats_output)
     write_jsonl(output, rows)
     return stats
 

@@ -29,6 +29,7 @@ rule generate:
             "seed": config["seed"],
             "reasoning_end_marker": config["generate"]["reasoning_end_marker"],
             "max_error_fraction": config["generate"]["max_error_fraction"],
+            "max_degenerate_fraction": config["generate"]["max_degenerate_fraction"],
         },
     script:
         "../scripts/generate.py"

@@ -7,8 +7,9 @@ import pytest
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
+from draftflow.config import load_config
 from draftflow.io import iter_jsonl
-from tests.conftest import demo_config, snakemake
+from tests.conftest import REPO, demo_config, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +48,17 @@ def test_generation_stats_record_reasoning_and_throughput(demo_run):
     assert stats["response_tokens_per_second"] > 0
     assert stats["errors"] == len(list(iter_jsonl(demo_run / "synthetic/errors.jsonl")))
     assert stats["multi_turn_conversations"] == stats["user_turns_lost"] == 0 and not stats["warnings"]
+
+
+def test_generation_counts_the_flawed_answers_within_the_demos_share(demo_run):
+    """The demo's answers as measured on 2026-12-01: 36 of 240 flawed, most the same memorised
+    answer to two phrasings of one question, one cut at generate.max_tokens."""
+    stats = json.loads((demo_run / "synthetic/stats.json").read_text())
+    rows = list(iter_jsonl(demo_run / "synthetic/generated.jsonl"))
+    max_tokens = demo_config()["generate"]["max_tokens"]
+    assert stats["truncated"] == sum(row["loss_mask"].count(1) >= max_tokens for row in rows) == 1
+    assert stats["flawed_answers"] <= load_config(REPO / "config/config.yaml")["generate"]["max_degenerate_fraction"] * len(rows)
+    assert stats["answer_flaws"]["the same answer as to a different prompt"] >= stats["flawed_answers"] // 2
 
 
 def test_prepared_dataset_masks_only_assistant_tokens(demo_run):

@@ -61,7 +61,7 @@ def test_answers_are_stored_by_target_and_settings_and_found_by_content(tmp_path
         (tmp_path / name / "config.json").write_text(json.dumps({"name": name}))
         targets.append(str(tmp_path / name))
     settings = GenerationSettings(max_tokens=64, temperature=0.0, concurrency=4, max_retries=1, seed=0,
-                                  reasoning_end_marker="</think>", max_error_fraction=0.0)  # fmt: skip
+                                  reasoning_end_marker="</think>", max_error_fraction=0.0, max_degenerate_fraction=0.25)  # fmt: skip
     store = lambda target, s: answer_store(tmp_path, target, s.max_tokens, s.temperature, s.seed)  # noqa: E731
     same = store(targets[0], settings)
     assert store(targets[0], GenerationSettings(**{**settings.__dict__, "concurrency": 8})) == same

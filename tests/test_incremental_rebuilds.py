@@ -109,7 +109,8 @@ def config(lab: Path, endpoint: str, **overrides) -> dict:
         target={"path": str(lab / "target")},
         data={"prompt_files": [PROMPTS], "num_samples": 16},
         vllm={"max_model_len": 512},
-        generate={"max_tokens": 48, "concurrency": 1, "endpoint": endpoint},
+        # the twin's answers run to the end of max_tokens: flawed by design
+        generate={"max_tokens": 48, "concurrency": 1, "endpoint": endpoint, "max_degenerate_fraction": 1.0},
         prepare={"max_seq_length": 256},
         vocab={"draft_vocab_size": 64, "coverage_sizes": [16, 32, 64]},
         extract={"backend": "transformers", "token_budget": 1, "shards": 2, "layer_ids": [1, 2, 3], "fidelity": "never"},

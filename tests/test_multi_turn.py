@@ -87,7 +87,7 @@ def test_stats_log_and_report_carry_the_lost_turns(tmp_path, tokenizer_dir, caps
     write_jsonl(tmp_path / "work/answers.errors.jsonl", [{"id": failed, "metadata": {"generations_completed": 1}}])
     settings = GenerationSettings(
         max_tokens=64, temperature=0.0, concurrency=1, max_retries=0, seed=0,
-        reasoning_end_marker="b", max_error_fraction=0.5,
+        reasoning_end_marker="b", max_error_fraction=0.5, max_degenerate_fraction=0.25,
     )  # fmt: skip
     stats_path = tmp_path / "stats.json"
     asked_now = {"single", "complete"}  # "truncated" was answered by an earlier run

@@ -52,7 +52,7 @@ def twin_config(family: str, target, prompts) -> dict:
         target={"path": str(target)},
         data={"prompt_files": [str(prompts)], "num_samples": len(QUESTIONS)},
         vllm={"max_model_len": 512},
-        generate={"max_tokens": 64},
+        generate={"max_tokens": 64, "max_degenerate_fraction": 1.0},  # random weights: every answer loops to the end
         prepare={"max_seq_length": 256},
         vocab={"draft_vocab_size": 64, "coverage_sizes": [16, 32, 64]},
         extract={"shards": 1, "layer_ids": [1, 2, 3], "fidelity_tolerance": {"float32": FIDELITY_TOLERANCE[family]}},

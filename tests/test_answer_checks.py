@@ -1,0 +1,44 @@
+"""Answers a target served wrong would give are found, counted and, past a share, stop generation."""
+
+import pytest
+
+from draftflow.answer_checks import CUT, EMPTY, LOOP, ONE_TOKEN, SAME, FlawedAnswers, answer_flaws, check_answers
+
+MAX_TOKENS = 40
+
+
+def row(row_id, prompt, answer):
+    return {"id": row_id, "input_ids": [*prompt, *answer], "loss_mask": [0] * len(prompt) + [1] * len(answer)}
+
+
+GOOD = [row(f"good-{i}", [1, 2, 100 + i], list(range(200 + 10 * i, 212 + 10 * i))) for i in range(6)]
+FLAWED = [
+    row("one-token", [1, 3], [7] * 12),
+    row("loop", [1, 4], [5, 6, 8, 9, 10] + [11, 12, 13] * 6),
+    row("cut", [1, 5], list(range(300, 300 + MAX_TOKENS))),
+    row("empty", [1, 6], []),
+    row("same-a", [1, 7], list(range(400, 410))),
+    row("same-b", [1, 8, 9], list(range(400, 410))),
+]
+
+
+def test_each_flaw_is_found_on_its_answer_and_good_answers_have_none():
+    flaws = answer_flaws(GOOD + FLAWED, MAX_TOKENS)
+    assert flaws == {"one-token": [ONE_TOKEN, LOOP], "loop": [LOOP], "cut": [CUT], "empty": [EMPTY],
+                     "same-a": [SAME], "same-b": [SAME]}  # fmt: skip
+    short_answers_alike = [row("yes-1", [1, 2], [50, 51]), row("yes-2", [1, 3], [50, 51])]
+    assert answer_flaws(short_answers_alike, MAX_TOKENS) == {}  # "Yes." twice is no flaw
+    same_prompt_twice = [row("a", [1, 2], list(range(60, 70))), row("b", [1, 2], list(range(60, 70)))]
+    assert answer_flaws(same_prompt_twice, MAX_TOKENS) == {}
+
+
+def test_too_many_flawed_answers_stop_generation_naming_the_worst_and_the_causes():
+    rows = GOOD + FLAWED
+    flaws = answer_flaws(rows, MAX_TOKENS)
+    check_answers(rows, flaws, str, max_fraction=0.5, stats_file="stats.json")  # 6 of 12
+    with pytest.raises(FlawedAnswers) as refused:
+        check_answers(rows, flaws, str, max_fraction=0.25, stats_file="stats.json")
+    message = str(refused.value)
+    assert message.startswith("6 of 12 answers are flawed (more than generate.max_degenerate_fraction=0.25; counts in stats.json)")
+    assert message.splitlines()[1].startswith("  one-token (one token repeated, a short loop filling most of it): '[7, 7")
+    assert "output head" in message and "generate.max_tokens" in message and "max_degenerate_fraction: 1" in message
