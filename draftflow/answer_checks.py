@@ -85,9 +85,12 @@ class FlawedAnswers(RuntimeError):
     pass
 
 
-def check_answers(rows: list[dict], flaws: dict[str, list[str]], decode, max_fraction: float, stats_file) -> None:
-    """Fail when more than ``max_fraction`` of the answers are flawed, naming the worst
-    samples (most flaws first) with their text, and the likely causes."""
+def check_answers(
+    rows: list[dict], flaws: dict[str, list[str]], decode, max_fraction: float, limit: str, counted: str
+) -> None:
+    """Fail when more than ``max_fraction`` (the setting ``limit``) of the answers are
+    flawed, naming the worst samples (most flaws first) with their text, and the likely
+    causes; ``counted`` says which answers these are and where they are kept."""
     if len(flaws) <= max_fraction * len(rows):
         return
     by_id = {row["id"]: row for row in rows}
@@ -97,8 +100,8 @@ def check_answers(rows: list[dict], flaws: dict[str, list[str]], decode, max_fra
     )
     causes = "\n".join(f"  {flaw}: {LIKELY_CAUSES[flaw]}" for flaw in sorted({f for row_id in flaws for f in flaws[row_id]}))
     raise FlawedAnswers(
-        f"{len(flaws)} of {len(rows)} answers are flawed (more than generate.max_degenerate_fraction="
-        f"{max_fraction}; counts in {stats_file}). The worst:\n{shown}\nLikely causes:\n{causes}\n"
+        f"{len(flaws)} of {len(rows)} answers are flawed (more than {limit}={max_fraction:g}; {counted}). "
+        f"The worst:\n{shown}\nLikely causes:\n{causes}\n"
         "The answers stay in the answer store, nothing computed is lost. A target whose answers loop by "
         "design (random weights) sets generate.max_degenerate_fraction: 1."
     )

@@ -17,9 +17,10 @@ from statistics import mean
 from speculators.data_generation.vllm_client import RETRY_BACKOFF_BASE
 from transformers import AutoTokenizer
 
-from draftflow.answer_checks import CUT, answer_flaws, check_answers, flaw_stats
+from draftflow.answer_checks import CUT, LIKELY_CAUSES, ONE_TOKEN, FlawedAnswers, answer_flaws, check_answers, flaw_stats
 from draftflow.answers import (
     as_asked,
+    iter_complete_lines,
     conversation_key,
     stored_answers,
     stored_rows,
@@ -30,6 +31,10 @@ from draftflow.io import iter_jsonl, write_json, write_jsonl
 from draftflow.vllm_server import ServerGoneError, is_healthy, log_excerpt
 
 LOST_TURNS_WARN_FRACTION = 0.05
+# The first answers a run asks are checked as soon as they are written, so a target
+# served wrong fails in minutes, not after the stage: only when most are flawed (a few
+# of 32 vary by chance), or more than generate.max_degenerate_fraction where that is higher.
+EARLY_ANSWERS, EARLY_FLAWED_SHARE = 32, 0.5
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ def regenerate(
     conversations: Path,
     partial: Path,
     settings: GenerationSettings,
+    check_early: Callable[[], None],
     server_log: Path | None = None,
 ) -> None:
     """Run speculators' client, appending to ``partial`` and resuming from it.
@@ -63,7 +69,7 @@ def regenerate(
     command = client_command(f"{base_url}/v1/chat/completions", conversations, partial, settings)
     with subprocess.Popen(command) as client:
         try:
-            server_stayed = client_finished(client, server_up, retry_window_s(settings.max_retries))
+            server_stayed = client_finished(client, server_up, retry_window_s(settings.max_retries), check_early)
         finally:
             client.kill()  # a no-op once it ended; on SIGTERM it must not outlive the rule
     if not server_stayed:
@@ -101,13 +107,47 @@ def retry_window_s(max_retries: int) -> float:
     return sum(RETRY_BACKOFF_BASE**attempt for attempt in range(1, max_retries + 1))
 
 
+class EarlyAnswerCheck:
+    """Checks the first EARLY_ANSWERS conversations this run asks, once they are answered
+    (the answer store) or failed (its errors file): a target served wrong gives flawed
+    answers, or none (an empty answer is an error to speculators' client)."""
+
+    def __init__(self, store: Path, settings: GenerationSettings, tokenizer_dir: str):
+        self.store, self.settings, self.tokenizer_dir = store, settings, tokenizer_dir
+        self.earlier = [len(list(iter_complete_lines(path))) for path in self.files()]  # checked by their runs
+        self.checked = False
+
+    def files(self) -> tuple[Path, Path]:
+        return self.store, errors_path(self.store)
+
+    def __call__(self) -> None:
+        if self.checked:
+            return
+        rows, errors = (list(iter_complete_lines(path))[earlier:] for path, earlier in zip(self.files(), self.earlier))
+        if len(rows) + len(errors) < EARLY_ANSWERS:
+            return
+        self.checked = True
+        share = max(EARLY_FLAWED_SHARE, self.settings.max_degenerate_fraction)
+        if len(errors) > share * (len(rows) + len(errors)):
+            reason, count = Counter(e["metadata"].get("error", "?") for e in errors).most_common(1)[0]
+            raise FlawedAnswers(
+                f"{len(errors)} of the first {len(rows) + len(errors)} conversations of this run failed ({count}: "
+                f"{reason}; all in {self.files()[1]}). The server answers, but not usefully: "
+                f"{LIKELY_CAUSES[ONE_TOKEN]}. Answers given so far stay in {self.store}."
+            )
+        decode = AutoTokenizer.from_pretrained(self.tokenizer_dir).decode
+        counted = f"the first {len(rows)} answers of this run, kept in {self.store}"
+        check_answers(rows, answer_flaws(rows, self.settings.max_tokens), decode, share, "the early check's share", counted)
+
+
 def client_finished(
-    client: subprocess.Popen, server_up: Callable[[], bool], patience_s: float
+    client: subprocess.Popen, server_up: Callable[[], bool], patience_s: float, check_early: Callable[[], None]
 ) -> bool:
-    """Wait for the client to end; False as soon as the server has been down for
-    ``patience_s``, or is down when the client ends."""
+    """Wait for the client to end, checking its first answers; False as soon as the
+    server has been down for ``patience_s``, or is down when the client ends."""
     down_since = None
     while client.poll() is None:
+        check_early()
         if server_up():
             down_since = None
         elif down_since is None:
@@ -241,7 +281,8 @@ def finish(
     write_jsonl(errors_output, errors)
     write_json(stats_output, stats)
     check_error_rate(stats, settings.max_error_fraction, errors_path(store))
-    check_answers(rows, flaws, tokenizer.decode, settings.max_degenerate_fraction, stats_output)
+    limit, counted = "generate.max_degenerate_fraction", f"counts in {stats_output}"
+    check_answers(rows, flaws, tokenizer.decode, settings.max_degenerate_fraction, limit, counted)
     write_jsonl(output, rows)
     return stats
 
@@ -281,6 +322,7 @@ def ask_unanswered(
     settings: GenerationSettings,
     endpoint: Callable[[], AbstractContextManager[str]],
     server_log: Path | None,
+    tokenizer_dir: str,
 ) -> tuple[float, set[str]]:
     """Ask the target only the conversations the store lacks (starting no server
     when there are none); the seconds generation took and the ids it asked."""
@@ -292,8 +334,9 @@ def ask_unanswered(
     questions = store.with_name(f"{store.stem}.asking.jsonl")
     write_jsonl(questions, todo)
     keys = {question["id"] for question in todo}
+    check_early = EarlyAnswerCheck(store, settings, tokenizer_dir)
     with endpoint() as url:
-        seconds = timed(regenerate, url, questions, store, settings, server_log)
+        seconds = timed(regenerate, url, questions, store, settings, check_early, server_log)
     return seconds, {conversation["id"] for conversation in asked if conversation_key(conversation) in keys}
 
 

@@ -20,7 +20,7 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
     server_log = None if params.endpoint else Path(snakemake.log.server)
     start_server = partial(vllm_server, snakemake.input.target, log_path=server_log, **params.server)
     endpoint = partial(target_endpoint, params.endpoint, params.api_key_env, start_server)
-    seconds, asked_now = ask_unanswered(conversations, store, settings, endpoint, server_log)
+    seconds, asked_now = ask_unanswered(conversations, store, settings, endpoint, server_log, snakemake.input.target)
     finish(
         store,
         conversations,

@@ -1,8 +1,14 @@
 """Answers a target served wrong would give are found, counted and, past a share, stop generation."""
 
+import json
+
 import pytest
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
 
 from draftflow.answer_checks import CUT, EMPTY, LOOP, ONE_TOKEN, SAME, FlawedAnswers, answer_flaws, check_answers
+from draftflow.generate import EARLY_ANSWERS, EarlyAnswerCheck, GenerationSettings
+from draftflow.io import write_jsonl
 
 MAX_TOKENS = 40
 
@@ -35,10 +41,35 @@ def test_each_flaw_is_found_on_its_answer_and_good_answers_have_none():
 def test_too_many_flawed_answers_stop_generation_naming_the_worst_and_the_causes():
     rows = GOOD + FLAWED
     flaws = answer_flaws(rows, MAX_TOKENS)
-    check_answers(rows, flaws, str, max_fraction=0.5, stats_file="stats.json")  # 6 of 12
+    check_answers(rows, flaws, str, 0.5, "generate.max_degenerate_fraction", "counts in stats.json")  # 6 of 12
     with pytest.raises(FlawedAnswers) as refused:
-        check_answers(rows, flaws, str, max_fraction=0.25, stats_file="stats.json")
+        check_answers(rows, flaws, str, 0.25, "generate.max_degenerate_fraction", "counts in stats.json")
     message = str(refused.value)
     assert message.startswith("6 of 12 answers are flawed (more than generate.max_degenerate_fraction=0.25; counts in stats.json)")
     assert message.splitlines()[1].startswith("  one-token (one token repeated, a short loop filling most of it): '[7, 7")
     assert "output head" in message and "generate.max_tokens" in message and "max_degenerate_fraction: 1" in message
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path):
+    vocabulary = {"[UNK]": 0, **{str(i): i for i in range(1, 500)}}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))).save_pretrained(
+        tmp_path / "tokenizer"
+    )
+    return tmp_path / "tokenizer"
+
+
+def test_the_early_check_reads_only_this_runs_first_answers(tmp_path, tokenizer_dir):
+    store = tmp_path / "answers.jsonl"
+    write_jsonl(store, GOOD * 10)  # an earlier run's answers: not this run's to check
+    settings = GenerationSettings(max_tokens=MAX_TOKENS, temperature=0.0, concurrency=1, max_retries=0, seed=0,
+                                  reasoning_end_marker="", max_error_fraction=0.1, max_degenerate_fraction=0.25)  # fmt: skip
+    check = EarlyAnswerCheck(store, settings, str(tokenizer_dir))
+    looping = [row(f"loop-{i}", [1, 9, i], [7] * 12) for i in range(EARLY_ANSWERS)]
+    with store.open("a") as stream:
+        stream.writelines(json.dumps(answer) + "\n" for answer in looping[:-1])
+    check()  # 31 of this run's answers: not yet
+    with store.open("a") as stream:
+        stream.write(json.dumps(looping[-1]) + "\n")
+    with pytest.raises(FlawedAnswers, match=rf"^{EARLY_ANSWERS} of {EARLY_ANSWERS} answers are flawed .*the first {EARLY_ANSWERS} answers of this run"):
+        check()

@@ -6,13 +6,15 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from draftflow.answers import answer_store, conversation_key
 from draftflow.evaluate import gate, gate_failure
 from draftflow.extract.fidelity import compare, fidelity_failure
 from draftflow.fingerprint import target_fingerprint
-from draftflow.generate import GenerationSettings
-from tests.conftest import copy_demo_run, demo_config, snakemake
+from draftflow.generate import EARLY_ANSWERS, GenerationSettings
+from draftflow.vllm_server import free_port
+from tests.conftest import complete_lines, copy_demo_run, demo_config, snakemake
 
 TRAINED = {"mean_acceptance_length": 1.4, "acceptance_per_position": [0.3, 0.1, 0.0]}
 
@@ -127,3 +129,24 @@ def test_a_parse_time_refusal_runs_no_job_and_writes_nothing(tmp_path, demo_run)
     output = process.stdout + process.stderr
     assert "Job stats" not in output and "rule " not in output
     assert not (tmp_path / "results").exists() and not (tmp_path / "logs").exists()
+
+
+def test_a_target_served_wrong_fails_generation_on_its_first_answers(tmp_path, demo_run):
+    """The demo target with an output layer of zeros (a head the parse-time check cannot
+    see is wrong): vLLM serves it without a warning, and every answer comes back empty,
+    an error to speculators' client; the first conversations stop the rule long before
+    the stage would end, keeping what was asked."""
+    copy_demo_run(demo_run, tmp_path, "prompts")
+    weights = tmp_path / "resources/demo-target/model.safetensors"
+    tensors = load_file(weights)
+    tensors["lm_head.weight"].zero_()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    config = demo_config(vllm={"port": free_port("127.0.0.1")})
+    refused = snakemake(tmp_path, config, "results/demo/synthetic/stats.json", check=False)
+    assert refused.returncode != 0
+    log = (tmp_path / "logs/demo/generate.log").read_text()
+    assert f"of the first {EARLY_ANSWERS} conversations of this run failed" in log
+    assert "empty assistant generation" in log and "weights without their output head" in log
+    (errors,) = (tmp_path / "results/demo/synthetic/work").glob("answers-*.errors.jsonl")
+    assert EARLY_ANSWERS <= complete_lines(errors) < config["data"]["num_samples"]  # stopped early
+    assert not (tmp_path / "results/demo/synthetic/generated.jsonl").exists()
