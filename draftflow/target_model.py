@@ -161,7 +161,7 @@ class TargetModel:
             raise TargetModelError(
                 f"{self.config_file} says tie_word_embeddings is false, but the weights in "
                 f"{self.folder} hold no lm_head ({' or '.join(candidates)}): vLLM would serve an "
-                "output layer of zeros without a warning, and every answer would be one token repeated. "
+                "output layer of zeros without a warning, and every answer would be empty or one token repeated. "
                 "Add the checkpoint's lm_head weights, or set tie_word_embeddings: true if the model ties them."
             )
         embed_tokens, final_norm = f"{prefix}{EMBEDDING}", f"{prefix}{FINAL_NORM}"

@@ -150,3 +150,16 @@ def test_a_target_served_wrong_fails_generation_on_its_first_answers(tmp_path, d
     (errors,) = (tmp_path / "results/demo/synthetic/work").glob("answers-*.errors.jsonl")
     assert EARLY_ANSWERS <= complete_lines(errors) < config["data"]["num_samples"]  # stopped early
     assert not (tmp_path / "results/demo/synthetic/generated.jsonl").exists()
+
+
+def test_a_copy_of_the_demo_target_without_its_lm_head_stops_before_any_job(tmp_path, demo_run):
+    copy_demo_run(demo_run, tmp_path)
+    weights = tmp_path / "resources/demo-target/model.safetensors"
+    tensors = load_file(weights)
+    del tensors["lm_head.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    refused = snakemake(tmp_path, demo_config(), "-n", check=False)
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "Job stats" not in output and not (tmp_path / "results").exists()
+    assert "demo-target/config.json says tie_word_embeddings is false" in output
+    assert "hold no lm_head (lm_head.weight): vLLM would serve an output layer of zeros" in output
