@@ -202,6 +202,10 @@ def target_server_args(
 
 
 def server_env(vllm: dict, device: str) -> dict[str, str]:
-    if device == "cpu":
-        return {"VLLM_CPU_KVCACHE_SPACE": str(vllm["cpu_kvcache_space_gib"])}
-    return {}
+    if device != "cpu":
+        return {}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(vllm["cpu_kvcache_space_gib"])}
+    one_rank = vllm["tensor_parallel_size"] == vllm["data_parallel_size"] == 1
+    if vllm["cpu_single_process"] and one_rank:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in the engine's process: one import less
+    return env

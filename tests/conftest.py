@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,18 @@ DEMO_MODULES = {
     "test_data_stages", "test_extract_stage", "test_faults", "test_gates", "test_multi_turn", "test_plan",
     "test_rebuilds", "test_resume_reproducibility", "test_server_faults", "test_train_evaluate_report", "test_storage_fp8",
 }  # fmt: skip
+# Work that waits on the network, not on the cores: started in a process of its own as soon
+# as the collection holds the module that reads it, which runs last, so that the workers run
+# the other modules meanwhile. Module -> what runs, as `python -m RUNS FOLDER`
+# (``early_work_results``).
+EARLY_WORK = {"test_install": "tests.pip_runs"}  # pip against the default index: 5-8 minutes
+EARLY_WORK_TIMEOUT_S = 1800
+
+
+def scope(nodeid: str) -> str:
+    """The unit a worker runs whole: the demo's modules together, else the test's module."""
+    module = Path(nodeid.split("::", 1)[0]).stem
+    return "demo" if module in DEMO_MODULES else module
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -88,10 +102,60 @@ def pytest_xdist_make_scheduler(config, log):
 
     class DemoModulesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "demo" if Path(module).stem in DEMO_MODULES else module
+            return scope(nodeid)
 
+    config.option.loadscopereorder = False  # the workers' collection order is the schedule
     return DemoModulesTogether(config, log)
+
+
+def pytest_collection_modifyitems(items):
+    """Scopes with more tests first (usually the longer ones), those reading early work last."""
+    tests = Counter(scope(item.nodeid) for item in items)
+    items.sort(key=lambda item: (Path(item.nodeid.split("::", 1)[0]).stem in EARLY_WORK, -tests[scope(item.nodeid)]))
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    start_early_work(node.config, {Path(nodeid.split("::", 1)[0]).stem for nodeid in ids})
+
+
+def pytest_collection_finish(session):
+    if not hasattr(session.config, "workerinput") and not session.config.pluginmanager.hasplugin("dsession"):
+        start_early_work(session.config, {item.module.__name__.rsplit(".", 1)[-1] for item in session.items})
+
+
+def session_folder(config) -> Path:
+    """The session's temporary folder, the same in the controller and every xdist worker."""
+    base = config._tmp_path_factory.getbasetemp()
+    return base.parent if hasattr(config, "workerinput") else base
+
+
+def start_early_work(config, modules: set[str]) -> None:
+    """In the process that lives the whole session (xdist's controller): stopped at its end."""
+    for module in modules & EARLY_WORK.keys() - config.stash.setdefault(EARLY_STARTED, set()):
+        folder = session_folder(config) / EARLY_WORK[module]
+        folder.mkdir()
+        with (folder / "output.log").open("w") as output:
+            process = subprocess.Popen([sys.executable, "-m", EARLY_WORK[module], str(folder)], cwd=REPO,
+                                       start_new_session=True, stdout=output, stderr=subprocess.STDOUT)  # fmt: skip
+        STARTED.append(process)
+        config.stash[EARLY_STARTED].add(module)
+
+
+EARLY_STARTED = pytest.StashKey[set]()
+
+
+def early_work_results(config, module: str) -> dict:
+    """Each run's result of ``module``'s early work (``FOLDER/<run>.json``), once all are
+    there; fails with the work's output after EARLY_WORK_TIMEOUT_S."""
+    folder = session_folder(config) / EARLY_WORK[module]
+    deadline = time.monotonic() + EARLY_WORK_TIMEOUT_S
+    while not (folder / "done").exists():
+        if time.monotonic() > deadline:
+            output = folder / "output.log"
+            pytest.fail(f"{EARLY_WORK[module]} not done after {EARLY_WORK_TIMEOUT_S} s:\n"
+                        f"{output.read_text()[-6000:] if output.exists() else 'never started'}")  # fmt: skip
+        time.sleep(1)
+    return {path.stem: json.loads(path.read_text()) for path in folder.glob("*.json")}
 
 
 def pytest_itemcollected(item):

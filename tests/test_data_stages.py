@@ -50,6 +50,12 @@ def test_generation_stats_record_reasoning_and_throughput(demo_run):
     assert stats["multi_turn_conversations"] == stats["user_turns_lost"] == 0 and not stats["warnings"]
 
 
+def test_the_cpu_server_runs_its_model_in_the_engine_process(demo_run):
+    """vllm.cpu_single_process (the default): an API server and an engine, no worker process."""
+    log = (demo_run.parents[1] / "logs/demo/generate.server.log").read_text()
+    assert "(EngineCore pid=" in log and "Worker pid=" not in log
+
+
 def test_generation_counts_the_flawed_answers_within_the_demos_share(demo_run):
     """The demo's answers as measured on 2026-12-01: 36 of 240 flawed, most the same memorised
     answer to two phrasings of one question, one cut at generate.max_tokens."""

@@ -20,7 +20,7 @@ from draftflow.generate import check_error_rate, unresolved_errors
 from draftflow.io import iter_jsonl
 from draftflow.prompts import BadPromptRow, select_prompts
 from draftflow.training_data import check_file
-from draftflow.vllm_server import ServerStartError, target_server_args, vllm_server
+from draftflow.vllm_server import ServerStartError, server_env, target_server_args, vllm_server
 from tests.conftest import copy_demo_run, demo_config, snakemake
 from tests.test_example_configs import example_config
 from tests.test_extraction import LAYERS, make_samples, tiny_target  # noqa: F401 - fixture
@@ -161,7 +161,7 @@ def test_external_endpoint_key_comes_from_the_environment_and_stays_out_of_logs(
     key = "sk-draftflow-test-4711"
     target = str(demo_run.parents[1] / "resources/demo-target")
     args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024", "--api-key", key]
-    with vllm_server(target, args, tmp_path / "external.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as external:
+    with vllm_server(target, args, tmp_path / "external.log", env=server_env(demo_config()["vllm"], "cpu")) as external:
         config = demo_config(
             run="external",
             data={"num_samples": 12},

