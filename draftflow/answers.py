@@ -29,6 +29,40 @@ def iter_complete_lines(path: Path) -> Iterator[dict]:
                 yield json.loads(line)
 
 
+class AppendedRows:
+    """The rows a writer completes in a JSONL file after this object was made, read
+    incrementally: each ``new()`` parses only the bytes appended since the last."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = complete_length(path)
+
+    def new(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as stream:
+            stream.seek(self.offset)
+            data = stream.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+def complete_length(path: Path, block: int = 1 << 16) -> int:
+    """Bytes of ``path`` up to the end of its last complete line, read from its end."""
+    if not path.exists():
+        return 0
+    with path.open("rb") as stream:
+        end = stream.seek(0, 2)
+        while end > 0:
+            start = max(0, end - block)
+            stream.seek(start)
+            if (newline := stream.read(end - start).rfind(b"\n")) >= 0:
+                return start + newline + 1
+            end = start
+    return 0
+
+
 def answer_store(work_dir: Path, target: str | Path, max_tokens: int, temperature: float, seed: int) -> Path:
     """The answers of every conversation asked of this target with these settings,
     in any run of this folder, keyed by each conversation's content

@@ -19,8 +19,8 @@ from transformers import AutoTokenizer
 
 from draftflow.answer_checks import CUT, LIKELY_CAUSES, ONE_TOKEN, FlawedAnswers, answer_flaws, check_answers, flaw_stats
 from draftflow.answers import (
+    AppendedRows,
     as_asked,
-    iter_complete_lines,
     conversation_key,
     stored_answers,
     stored_rows,
@@ -114,16 +114,15 @@ class EarlyAnswerCheck:
 
     def __init__(self, store: Path, settings: GenerationSettings, tokenizer_dir: str):
         self.store, self.settings, self.tokenizer_dir = store, settings, tokenizer_dir
-        self.earlier = [len(list(iter_complete_lines(path))) for path in self.files()]  # checked by their runs
+        self.appended = [AppendedRows(path) for path in (store, errors_path(store))]  # earlier runs checked theirs
+        self.rows, self.errors = [], []
         self.checked = False
-
-    def files(self) -> tuple[Path, Path]:
-        return self.store, errors_path(self.store)
 
     def __call__(self) -> None:
         if self.checked:
             return
-        rows, errors = (list(iter_complete_lines(path))[earlier:] for path, earlier in zip(self.files(), self.earlier))
+        rows, errors = (seen + appended.new() for seen, appended in zip((self.rows, self.errors), self.appended))
+        self.rows, self.errors = rows, errors
         if len(rows) + len(errors) < EARLY_ANSWERS:
             return
         self.checked = True
@@ -132,7 +131,7 @@ class EarlyAnswerCheck:
             reason, count = Counter(e["metadata"].get("error", "?") for e in errors).most_common(1)[0]
             raise FlawedAnswers(
                 f"{len(errors)} of the first {len(rows) + len(errors)} conversations of this run failed ({count}: "
-                f"{reason}; all in {self.files()[1]}). The server answers, but not usefully: "
+                f"{reason}; all in {errors_path(self.store)}). The server answers, but not usefully: "
                 f"{LIKELY_CAUSES[ONE_TOKEN]}. Answers given so far stay in {self.store}."
             )
         decode = AutoTokenizer.from_pretrained(self.tokenizer_dir).decode

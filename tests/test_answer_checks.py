@@ -7,6 +7,7 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from draftflow.answer_checks import CUT, EMPTY, LOOP, ONE_TOKEN, SAME, FlawedAnswers, answer_flaws, check_answers
+from draftflow.answers import AppendedRows, complete_length
 from draftflow.generate import EARLY_ANSWERS, EarlyAnswerCheck, GenerationSettings
 from draftflow.io import write_jsonl
 
@@ -73,3 +74,24 @@ def test_the_early_check_reads_only_this_runs_first_answers(tmp_path, tokenizer_
         stream.write(json.dumps(looping[-1]) + "\n")
     with pytest.raises(FlawedAnswers, match=rf"^{EARLY_ANSWERS} of {EARLY_ANSWERS} answers are flawed .*the first {EARLY_ANSWERS} answers of this run"):
         check()
+
+
+def test_appended_rows_parse_only_the_bytes_written_since_the_last_read(tmp_path):
+    store = tmp_path / "answers.jsonl"
+    store.write_bytes(b'{"n": 0}\n{"n": 1}\n')  # an earlier run's rows
+    appended = AppendedRows(store)
+    with store.open("ab") as stream:
+        stream.write(b'{"n": 2}\n{"n": 3')
+    assert appended.new() == [{"n": 2}]  # the last row is not complete yet
+    store.write_bytes(b"x" * 27 + store.read_bytes()[27:])  # the bytes read before: never parsed again
+    with store.open("ab") as stream:
+        stream.write(b"}\n")
+    assert appended.new() == [{"n": 3}] and appended.new() == []
+
+
+def test_the_complete_length_ends_at_the_last_newline_read_from_the_end(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"n": 0}\n{"n": 1}\n{"n": 2')
+    assert complete_length(path, block=4) == complete_length(path) == 18
+    path.write_bytes(b'{"n": 0')
+    assert complete_length(path, block=4) == 0 and complete_length(tmp_path / "absent.jsonl") == 0
