@@ -175,6 +175,8 @@ def markdown(run: str, rows: list[dict], stats: dict, compared: dict[str, dict])
         lines.append(f"| trained, served by vLLM | {served['mean_acceptance_length']:.3f} | {per_position} |")
     gate = evaluation["gate"]
     lines += ["", f"Gate: mean acceptance length ≥ {gate['min_acceptance_length']}: {'passed' if gate['passed'] else 'FAILED'}.", "", "![acceptance](../evaluation/acceptance.png)", ""]
+    if served:
+        lines += ["![offline and served](../evaluation/served_acceptance.png)", ""]
     if compared:
         lines += comparison_lines(run, outcome(stats["extract"], evaluation, stats.get("served")), compared)
     return "\n".join(lines)

@@ -1,4 +1,7 @@
-"""Serve the target with the trained drafter in vLLM and read its own acceptance counters."""
+"""Serve the target with the trained drafter in vLLM, read its own acceptance counters and
+decide: vLLM must serve the drafter as it was trained (aux layers, vocabulary map, norms), and
+its acceptance may fall short of the offline one by at most ``evaluate.max_served_shortfall``.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +10,12 @@ import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
-from draftflow.vllm_server import vllm_server
+from draftflow.io import read_json
+from draftflow.plots import pyplot, save_png
+from draftflow.target_model import read_target_model, weight_files
+from draftflow.vllm_server import START_MARKER, vllm_server
 
 COUNTER = re.compile(r"^(vllm:spec_decode_[a-z_]+_total)(\{[^}]*\})? ([0-9.e+]+)$")
 
@@ -64,3 +71,101 @@ def serve_check(
             generated = sum(pool.map(lambda ids: complete(url, target, ids, max_tokens), prompts))
         result = served_acceptance(spec_decode_counters(url), draft_tokens)
     return {"requests": len(prompts), "generated_tokens": generated, **result}
+
+
+# vLLM's GPU model runner logs this when the drafter's config names its aux layers; without
+# the line it took the target's default layers (vllm/v1/worker/gpu_model_runner.py).
+AUX_LAYERS_LOGGED = re.compile(r"Using auxiliary layers from speculative config: \(([0-9, ]*)\)")
+
+
+class ServeCheckFailed(RuntimeError):
+    """vLLM served the drafter otherwise than it was trained, or accepted too few of its tokens."""
+
+
+def served_aux_layers(server_log: str, num_layers: int) -> tuple[list[int], str]:
+    """The aux layer ids vLLM's last start used, and where they came from."""
+    last_start = server_log.rsplit(START_MARKER, 1)[-1]
+    if logged := AUX_LAYERS_LOGGED.findall(last_start):
+        return [int(i) for i in logged[-1].split(",") if i.strip()], "the drafter's config"
+    return default_aux_layers(num_layers), "vLLM's default for the target, as the drafter's config names none"
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """vLLM's own default, asked of its SupportsEagle3 interface for a target of ``num_layers``."""
+    from vllm.model_executor.models.interfaces import SupportsEagle3
+
+    stand_in = SimpleNamespace(model=SimpleNamespace(layers=[None] * num_layers))
+    return list(SupportsEagle3.get_eagle3_default_aux_hidden_state_layers(stand_in))
+
+
+def loading_problems(drafter: Path, trained: Path, target_vocab_size: int, served_layers: tuple[list[int], str]) -> list[str]:
+    """Where vLLM's reading of the served drafter differs from the drafter training built
+    (``trained``: its initial folder), each naming both."""
+    config, built = read_json(drafter / "config.json"), read_json(trained / "config.json")
+    eagle = config.get("eagle_config") or {}
+    weights = weight_files(drafter)
+    problems = []
+    layers, source = served_layers
+    if layers != built["eagle_aux_hidden_state_layer_ids"]:
+        problems.append(f"vLLM served aux layers {layers} ({source}); the drafter was trained on "
+                        f"{built['eagle_aux_hidden_state_layer_ids']}: put eagle_aux_hidden_state_layer_ids "
+                        f"back in {drafter}/config.json")  # fmt: skip
+    if config.get("draft_vocab_size", target_vocab_size) < target_vocab_size and "d2t" not in weights:
+        problems.append(f"{drafter} maps {config['draft_vocab_size']} draft tokens into the target's "
+                        f"{target_vocab_size} but its weights lack d2t: vLLM maps every draft to the "
+                        "first tokens. Copy d2t from the trained drafter")  # fmt: skip
+    norm_before_fc = bool(eagle.get("norm_before_fc", config.get("norm_before_fc", False)))
+    for setting, served, trained_with in (
+        ("norm_before_fc", norm_before_fc, any(name.startswith("input_norm.") for name in weights)),
+        ("fc_norm", bool(config.get("fc_norm", False)), any(name.startswith("fc_norm.") for name in weights)),
+        ("norm_before_residual", bool(config.get("norm_before_residual", False)), bool(built.get("norm_before_residual", False))),
+    ):  # fmt: skip
+        if served != trained_with:
+            problems.append(f"vLLM reads {setting}={served} from {drafter}/config.json; the drafter was trained with {trained_with}")
+    return problems
+
+
+def shortfall_problem(offline: dict, served: dict, max_shortfall: float) -> str | None:
+    """Served acceptance below offline by more than ``max_shortfall`` of the offline length."""
+    shortfall = 1 - served["mean_acceptance_length"] / offline["mean_acceptance_length"]
+    if shortfall <= max_shortfall:
+        return None
+    per_position = ", ".join(f"{k}: {o:.3f} offline, {s:.3f} served" for k, (o, s) in
+                             enumerate(zip(offline["acceptance_per_position"], served["acceptance_per_position"]), 1))  # fmt: skip
+    return (f"vLLM accepted a mean {served['mean_acceptance_length']:.3f} tokens per step against "
+            f"{offline['mean_acceptance_length']:.3f} offline, {100 * shortfall:.0f}% short, more than "
+            f"evaluate.max_served_shortfall {max_shortfall} (accepted through position {per_position})")  # fmt: skip
+
+
+def served_problems(result: dict, offline: dict, drafter: Path, trained: Path, target: str, server_log: Path,
+                    max_shortfall: float) -> list[str]:  # fmt: skip
+    """Every way the served drafter differs from the trained one or falls short of its offline
+    acceptance (``offline``: evaluation.json's trained drafter); records the served aux layers."""
+    model = read_target_model(target)
+    layers = served_aux_layers(server_log.read_text(), model.num_layers)
+    result["aux_layers"] = {"served": layers[0], "from": layers[1]}
+    problems = loading_problems(drafter, trained, model.vocab_size, layers)
+    if shortfall := shortfall_problem(offline, result, max_shortfall):
+        problems.append(shortfall)
+    return problems
+
+
+def decide(result: dict, problems: list[str]) -> None:
+    """Fail the rule naming every problem, the measured numbers with them."""
+    if problems:
+        raise ServeCheckFailed("serve_check failed:\n- " + "\n- ".join(problems) + f"\nMeasured: {json.dumps(result)}")
+
+
+def plot_served_acceptance(offline: dict, served: dict, output: Path) -> None:
+    plt = pyplot()
+    positions = range(1, len(offline["acceptance_per_position"]) + 1)
+    figure, axis = plt.subplots(figsize=(6, 4))
+    width = 0.38
+    for offset, name, numbers in ((-width / 2, "offline", offline), (width / 2, "served by vLLM", served)):
+        values = [100 * v for v in numbers["acceptance_per_position"]]
+        label = f"{name} (mean acceptance length {numbers['mean_acceptance_length']:.2f})"
+        axis.bar([p + offset for p in positions], values, width, label=label)
+    axis.set(xlabel="draft position k", ylabel="drafts accepted through position k (%)",
+             title="The trained drafter offline and served", xticks=list(positions), ylim=(0, 100))  # fmt: skip
+    axis.legend()
+    save_png(figure, output)

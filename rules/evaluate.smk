@@ -30,10 +30,17 @@ rule evaluate:
 rule serve_check:
     input:
         drafter=rules.train.output.drafter,
+        init=rules.drafter_init.output.drafter,
+        evaluation=rules.evaluate.output.evaluation,
         heldout=rules.train_views.output.heldout,
         target=TARGET,
     output:
         served=result("evaluation/served.json"),
+        plot=report(
+            result("evaluation/served_acceptance.png"),
+            caption="../report/served_acceptance.rst",
+            category="Evaluation",
+        ),
     log:
         log=log_path("serve_check"),
         server=log_path("serve_check", "server.log"),
@@ -48,6 +55,7 @@ rule serve_check:
         draft_tokens=config["evaluate"]["draft_tokens"],
         max_tokens=config["generate"]["max_tokens"],
         max_requests=config["evaluate"]["serve_check_requests"],
+        max_served_shortfall=config["evaluate"]["max_served_shortfall"],
         server=vllm_server_params(),
     script:
         "../scripts/serve_check.py"

@@ -2,10 +2,10 @@ from pathlib import Path
 
 from datasets import load_from_disk
 
-from draftflow.io import write_json
 from draftflow.gpus import claim_gpus
+from draftflow.io import read_json, write_json
 from draftflow.rule_log import logged
-from draftflow.serve_check import serve_check
+from draftflow.serve_check import decide, plot_served_acceptance, serve_check, served_problems
 
 params = snakemake.params
 with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
@@ -20,5 +20,17 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
         params.server,
         Path(snakemake.log.server),
     )
+    offline = read_json(snakemake.input.evaluation)["trained"]
+    problems = served_problems(
+        result,
+        offline,
+        Path(snakemake.input.drafter),
+        Path(snakemake.input.init),
+        snakemake.input.target,
+        Path(snakemake.log.server),
+        params.max_served_shortfall,
+    )
     write_json(snakemake.output.served, result)
+    plot_served_acceptance(offline, result, Path(snakemake.output.plot))
     print(result)
+    decide(result, problems)

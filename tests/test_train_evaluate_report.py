@@ -52,6 +52,9 @@ def test_vllm_serves_the_drafter_and_counts_acceptance(demo_run):
     served = json.loads((demo_run / "evaluation/served.json").read_text())
     assert served["drafts"] > 0
     assert served["mean_acceptance_length"] == pytest.approx(SERVED_ACCEPTANCE, rel=ACCEPTANCE_SPREAD)
+    trained_on = json.loads((demo_run / "hidden_states/plan.json").read_text())["layer_ids"][:-1]
+    assert served["aux_layers"] == {"served": trained_on, "from": "the drafter's config"}  # as vLLM logged them
+    assert (demo_run / "evaluation/served_acceptance.png").stat().st_size > 1000
 
 
 def test_heldout_samples_never_reach_training(tmp_path, demo_run):
@@ -122,6 +125,7 @@ def test_snakemake_report_shows_the_workflow_description_and_every_caption(tmp_p
         "report.md": "summary.rst",
         "coverage.png": "coverage.rst",
         "acceptance.png": "acceptance.rst",
+        "served_acceptance.png": "served_acceptance.rst",
     }
     assert set(captions) == set(caption_files)
     for output, rst in caption_files.items():
