@@ -17,12 +17,12 @@ export TORCH_INDEX
 install: $(VENV)/.installed-$(DEVICE)
 
 # The generated envs/$(DEVICE).post-deploy.sh installs the lock (Snakemake's conda
-# deployment runs the same script). draftflow itself goes on the path with a
-# .pth file (vLLM servers import its connector).
+# deployment runs the same script). draftflow itself goes in as an editable install
+# of the checkout: vLLM servers import its connector, and `draftflow` is a command.
 $(VENV)/.installed-$(DEVICE): envs/$(DEVICE).post-deploy.sh pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	bash envs/$(DEVICE).post-deploy.sh
-	$(BIN)/python -c "import site; open(site.getsitepackages()[0] + '/draftflow.pth', 'w').write('$(CURDIR)\n')"
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation --editable .
 	touch $@
 
 demo: install

@@ -45,7 +45,7 @@ def snakemake(
         "--cores", "2",
         *args,
     ]  # fmt: skip
-    # a copy's own draftflow, ahead of the checkout's that the venv's .pth file names
+    # a copy's own draftflow, ahead of the checkout's editable install in the venv
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(workflow), os.environ.get("PYTHONPATH")]))}
     # its own session, stopped with all its jobs if the test ends first: on Ctrl-C,
     # Snakemake would finish its running jobs, minutes after pytest is gone

