@@ -1,6 +1,7 @@
 """Serve the target with the trained drafter in vLLM, read its own acceptance counters and
-decide: vLLM must serve the drafter as it was trained (aux layers, vocabulary map, norms), and
-its acceptance may fall short of the offline one by at most ``evaluate.max_served_shortfall``.
+decide: vLLM must serve the drafter as it was trained (vocabulary map and norms, read from its
+files before the server starts; aux layers, from vLLM's log before any request), and its
+acceptance may fall short of the offline one by at most ``evaluate.max_served_shortfall``.
 """
 
 from __future__ import annotations
@@ -63,14 +64,30 @@ def served_acceptance(counters: dict[str, float], draft_tokens: int) -> dict:
 
 
 def serve_check(
-    target: str, drafter: Path, prompts: list[list[int]], draft_tokens: int, max_tokens: int, server: dict, log_path: Path
+    target: str,
+    drafter: Path,
+    trained: Path,
+    prompts: list[list[int]],
+    draft_tokens: int,
+    max_tokens: int,
+    server: dict,
+    log_path: Path,
 ) -> dict:
+    """vLLM's acceptance counters for the drafter served beside the target. Fails before the
+    server starts when vLLM would read the drafter's files otherwise than training built them
+    (``trained``: its initial folder), and before any request when vLLM took other aux layers."""
+    model = read_target_model(target)
+    decide({}, file_problems(drafter, trained, model.vocab_size))
     args = [*server["args"], *speculative_args(drafter, draft_tokens)]
     with vllm_server(target, log_path=log_path, **{**server, "args": args}) as url:
+        layers, source = served_aux_layers(log_path.read_text(), model.num_layers)
+        aux_layers = {"served": layers, "from": source}
+        if problem := layer_problem(aux_layers, trained, drafter):
+            decide({"aux_layers": aux_layers}, [problem])  # before a request: vLLM may crash on them
         with ThreadPoolExecutor(8) as pool:
             generated = sum(pool.map(lambda ids: complete(url, target, ids, max_tokens), prompts))
         result = served_acceptance(spec_decode_counters(url), draft_tokens)
-    return {"requests": len(prompts), "generated_tokens": generated, **result}
+    return {"requests": len(prompts), "generated_tokens": generated, "aux_layers": aux_layers, **result}
 
 
 # vLLM's GPU model runner logs this when the drafter's config names its aux layers; without
@@ -98,18 +115,22 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return list(SupportsEagle3.get_eagle3_default_aux_hidden_state_layers(stand_in))
 
 
-def loading_problems(drafter: Path, trained: Path, target_vocab_size: int, served_layers: tuple[list[int], str]) -> list[str]:
-    """Where vLLM's reading of the served drafter differs from the drafter training built
+def layer_problem(aux_layers: dict, trained: Path, drafter: Path) -> str | None:
+    """vLLM's aux layers against those the drafter was trained on, both named."""
+    trained_on = read_json(trained / "config.json")["eagle_aux_hidden_state_layer_ids"]
+    if aux_layers["served"] == trained_on:
+        return None
+    return (f"vLLM served aux layers {aux_layers['served']} ({aux_layers['from']}); the drafter was trained on "
+            f"{trained_on}: put eagle_aux_hidden_state_layer_ids back in {drafter}/config.json")  # fmt: skip
+
+
+def file_problems(drafter: Path, trained: Path, target_vocab_size: int) -> list[str]:
+    """Where vLLM's reading of the drafter's files differs from the drafter training built
     (``trained``: its initial folder), each naming both."""
     config, built = read_json(drafter / "config.json"), read_json(trained / "config.json")
     eagle = config.get("eagle_config") or {}
     weights = weight_files(drafter)
     problems = []
-    layers, source = served_layers
-    if layers != built["eagle_aux_hidden_state_layer_ids"]:
-        problems.append(f"vLLM served aux layers {layers} ({source}); the drafter was trained on "
-                        f"{built['eagle_aux_hidden_state_layer_ids']}: put eagle_aux_hidden_state_layer_ids "
-                        f"back in {drafter}/config.json")  # fmt: skip
     if config.get("draft_vocab_size", target_vocab_size) < target_vocab_size and "d2t" not in weights:
         problems.append(f"{drafter} maps {config['draft_vocab_size']} draft tokens into the target's "
                         f"{target_vocab_size} but its weights lack d2t: vLLM maps every draft to the "
@@ -137,21 +158,8 @@ def shortfall_problem(offline: dict, served: dict, max_shortfall: float) -> str 
             f"evaluate.max_served_shortfall {max_shortfall} (accepted through position {per_position})")  # fmt: skip
 
 
-def served_problems(result: dict, offline: dict, drafter: Path, trained: Path, target: str, server_log: Path,
-                    max_shortfall: float) -> list[str]:  # fmt: skip
-    """Every way the served drafter differs from the trained one or falls short of its offline
-    acceptance (``offline``: evaluation.json's trained drafter); records the served aux layers."""
-    model = read_target_model(target)
-    layers = served_aux_layers(server_log.read_text(), model.num_layers)
-    result["aux_layers"] = {"served": layers[0], "from": layers[1]}
-    problems = loading_problems(drafter, trained, model.vocab_size, layers)
-    if shortfall := shortfall_problem(offline, result, max_shortfall):
-        problems.append(shortfall)
-    return problems
-
-
 def decide(result: dict, problems: list[str]) -> None:
-    """Fail the rule naming every problem, the measured numbers with them."""
+    """Fail the rule naming every problem, what was measured with them."""
     if problems:
         raise ServeCheckFailed("serve_check failed:\n- " + "\n- ".join(problems) + f"\nMeasured: {json.dumps(result)}")
 

@@ -5,7 +5,7 @@ from datasets import load_from_disk
 from draftflow.gpus import claim_gpus
 from draftflow.io import read_json, write_json
 from draftflow.rule_log import logged
-from draftflow.serve_check import decide, plot_served_acceptance, serve_check, served_problems
+from draftflow.serve_check import decide, plot_served_acceptance, serve_check, shortfall_problem
 
 params = snakemake.params
 with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
@@ -14,6 +14,7 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
     result = serve_check(
         snakemake.input.target,
         Path(snakemake.input.drafter),
+        Path(snakemake.input.init),
         prompts[: params.max_requests],
         params.draft_tokens,
         params.max_tokens,
@@ -21,16 +22,8 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
         Path(snakemake.log.server),
     )
     offline = read_json(snakemake.input.evaluation)["trained"]
-    problems = served_problems(
-        result,
-        offline,
-        Path(snakemake.input.drafter),
-        Path(snakemake.input.init),
-        snakemake.input.target,
-        Path(snakemake.log.server),
-        params.max_served_shortfall,
-    )
     write_json(snakemake.output.served, result)
     plot_served_acceptance(offline, result, Path(snakemake.output.plot))
     print(result)
-    decide(result, problems)
+    shortfall = shortfall_problem(offline, result, params.max_served_shortfall)
+    decide(result, [shortfall] if shortfall else [])

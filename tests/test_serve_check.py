@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draftflow.serve_check import ServeCheckFailed, decide, loading_problems, served_aux_layers, shortfall_problem
+from draftflow.serve_check import ServeCheckFailed, decide, file_problems, layer_problem, served_aux_layers, shortfall_problem
 from draftflow.vllm_server import START_MARKER
 
 LOGGED = "(EngineCore pid=7) INFO 12-01 18:37:48 [gpu_model_runner.py:5243] Using auxiliary layers from speculative config: (1, 2, 3)\n"
@@ -34,16 +34,18 @@ TRAINED = {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "draft_vocab_size": 64
 def test_a_drafter_served_as_trained_has_no_problems(tmp_path):
     served = drafter(tmp_path / "served", {**TRAINED, "norm_before_fc": True}, ["d2t", "fc.weight", "input_norm.weight"])
     trained = drafter(tmp_path / "trained", TRAINED, ["d2t"])
-    assert loading_problems(served, trained, 256, ([1, 2, 3], "the drafter's config")) == []
+    assert file_problems(served, trained, 256) == []
+    assert layer_problem({"served": [1, 2, 3], "from": "the drafter's config"}, trained, served) is None
 
 
 def test_each_way_vllm_would_serve_the_drafter_otherwise_is_named(tmp_path):
     served = drafter(tmp_path / "served", {"draft_vocab_size": 64}, ["fc.weight", "input_norm.weight", "fc_norm.0.weight"])
     trained = drafter(tmp_path / "trained", TRAINED, ["d2t"])
-    problems = loading_problems(served, trained, 256, ([2, 4, 6], "vLLM's default"))
-    assert len(problems) == 5, problems
-    layers, d2t, norm_before_fc, fc_norm, norm_before_residual = problems
+    layers = layer_problem({"served": [2, 4, 6], "from": "vLLM's default"}, trained, served)
     assert "vLLM served aux layers [2, 4, 6] (vLLM's default)" in layers and "trained on [1, 2, 3]" in layers
+    problems = file_problems(served, trained, 256)
+    assert len(problems) == 4, problems
+    d2t, norm_before_fc, fc_norm, norm_before_residual = problems
     assert "lack d2t" in d2t and "64 draft tokens into the target's 256" in d2t
     assert "norm_before_fc=False" in norm_before_fc and "trained with True" in norm_before_fc
     assert "fc_norm=False" in fc_norm
@@ -53,7 +55,7 @@ def test_each_way_vllm_would_serve_the_drafter_otherwise_is_named(tmp_path):
 def test_a_drafter_over_the_whole_vocabulary_needs_no_d2t(tmp_path):
     config = {**TRAINED, "draft_vocab_size": 256}
     served = drafter(tmp_path / "served", config, ["fc.weight"])
-    assert loading_problems(served, drafter(tmp_path / "trained", config, []), 256, ([1, 2, 3], "config")) == []
+    assert file_problems(served, drafter(tmp_path / "trained", config, []), 256) == []
 
 
 OFFLINE = {"mean_acceptance_length": 2.89, "acceptance_per_position": [0.7, 0.6, 0.59]}
