@@ -54,7 +54,7 @@ def settled(workdir, demo_run):
             {"extract_plan", "extract_server", "extract", "fidelity", "drafter_init", "train_views",
              "train", "evaluate", "serve_check", "report", "provenance"},
         ),  # fmt: skip
-        ({"evaluate": {"min_acceptance_length": 1.5}}, {"evaluate", "report", "provenance"}),
+        ({"evaluate": {"min_acceptance_length": 1.5}}, {"evaluate", "serve_check", "report", "provenance"}),
         ({"extract": {"fidelity": "never"}}, {"fidelity", "report", "provenance"}),
         ({"generate": {"temperature": 0.5}}, FROM_GENERATE),
     ],

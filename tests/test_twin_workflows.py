@@ -158,7 +158,7 @@ def serve_check_again(twin_run, tmp_path, config_edit: dict, drafter_edit) -> st
 
 def test_serve_check_fails_when_vllm_serves_the_drafter_on_other_layers_than_it_was_trained(twin_run, tmp_path):
     """The drafter's config without its aux layer ids: vLLM takes its default layers
-    (2, N // 2, N - 3; on this twin's 5 layers, where they repeat, its engine then dies at the
+    (2, N // 2, N - 3: [2, 2, 1] on this twin's 4 layers, where its engine then dies at the
     first request). serve_check names both lists as soon as the server is up."""
     _, run = twin_run
     log = serve_check_again(twin_run, tmp_path, {}, lambda c: {k: v for k, v in c.items() if k != "eagle_aux_hidden_state_layer_ids"})
