@@ -88,12 +88,17 @@ DEMO_MODULES = {
 # the other modules meanwhile. Module -> what runs, as `python -m RUNS FOLDER`
 # (``early_work_results``).
 EARLY_WORK = {"test_install": "tests.pip_runs"}  # pip against the default index: 5-8 minutes
+EARLY_WORK_DONE = "done"  # the file early work writes last, beside its results
 EARLY_WORK_TIMEOUT_S = 1800
+
+
+def module_of(nodeid: str) -> str:
+    return Path(nodeid.split("::", 1)[0]).stem
 
 
 def scope(nodeid: str) -> str:
     """The unit a worker runs whole: the demo's modules together, else the test's module."""
-    module = Path(nodeid.split("::", 1)[0]).stem
+    module = module_of(nodeid)
     return "demo" if module in DEMO_MODULES else module
 
 
@@ -111,16 +116,16 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(items):
     """Scopes with more tests first (usually the longer ones), those reading early work last."""
     tests = Counter(scope(item.nodeid) for item in items)
-    items.sort(key=lambda item: (Path(item.nodeid.split("::", 1)[0]).stem in EARLY_WORK, -tests[scope(item.nodeid)]))
+    items.sort(key=lambda item: (module_of(item.nodeid) in EARLY_WORK, -tests[scope(item.nodeid)]))
 
 
 def pytest_xdist_node_collection_finished(node, ids):
-    start_early_work(node.config, {Path(nodeid.split("::", 1)[0]).stem for nodeid in ids})
+    start_early_work(node.config, {module_of(nodeid) for nodeid in ids})
 
 
 def pytest_collection_finish(session):
     if not hasattr(session.config, "workerinput") and not session.config.pluginmanager.hasplugin("dsession"):
-        start_early_work(session.config, {item.module.__name__.rsplit(".", 1)[-1] for item in session.items})
+        start_early_work(session.config, {module_of(item.nodeid) for item in session.items})
 
 
 def session_folder(config) -> Path:
@@ -149,7 +154,7 @@ def early_work_results(config, module: str) -> dict:
     there; fails with the work's output after EARLY_WORK_TIMEOUT_S."""
     folder = session_folder(config) / EARLY_WORK[module]
     deadline = time.monotonic() + EARLY_WORK_TIMEOUT_S
-    while not (folder / "done").exists():
+    while not (folder / EARLY_WORK_DONE).exists():
         if time.monotonic() > deadline:
             output = folder / "output.log"
             pytest.fail(f"{EARLY_WORK[module]} not done after {EARLY_WORK_TIMEOUT_S} s:\n"

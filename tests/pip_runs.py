@@ -3,7 +3,7 @@
 They wait on the default index, not on the cores: `conftest.py` starts them in a
 process of their own (``python -m tests.pip_runs FOLDER``) as soon as the
 collection holds `test_install.py`, and the workers run other modules meanwhile.
-Each run's result goes to ``FOLDER/<run>.json``; ``FOLDER/done`` says all are there.
+Each run's result goes to ``FOLDER/<run>.json``; ``EARLY_WORK_DONE`` says all are there.
 
 - ``cpu_install``: the CPU lock into a new venv through `make install`, its torch
   coming only from a stand-in of PyTorch's CPU index;
@@ -25,9 +25,7 @@ from pathlib import Path
 from packaging.markers import Marker
 
 from draftflow import locks
-
-REPO = Path(__file__).resolve().parents[1]
-DONE = "done"
+from tests.conftest import EARLY_WORK_DONE, REPO
 
 
 def cuda_lock_for(version: str) -> dict[str, str]:
@@ -128,7 +126,7 @@ def main(folder: Path) -> None:
     }
     with ThreadPoolExecutor(len(runs)) as pool:
         list(pool.map(lambda item: record(folder, *item), runs.items()))
-    (folder / DONE).touch()
+    (folder / EARLY_WORK_DONE).touch()
 
 
 if __name__ == "__main__":
