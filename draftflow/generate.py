@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
-from speculators.data_generation.vllm_client import RETRY_BACKOFF_BASE
 from transformers import AutoTokenizer
 
 from draftflow.answer_checks import CUT, LIKELY_CAUSES, ONE_TOKEN, FlawedAnswers, answer_flaws, check_answers, flaw_stats
@@ -102,9 +101,15 @@ def client_command(
     ]  # fmt: skip
 
 
+# speculators' client waits RETRY_BACKOFF_BASE**attempt seconds before each retry
+# (speculators.data_generation.vllm_client; a test holds the two equal). Not imported:
+# the package's import costs a generate job 4 CPU-s more than the tokenizer's.
+CLIENT_RETRY_BACKOFF_BASE = 2
+
+
 def retry_window_s(max_retries: int) -> float:
     """How long the client's retries of one request wait in all (exponential backoff)."""
-    return sum(RETRY_BACKOFF_BASE**attempt for attempt in range(1, max_retries + 1))
+    return sum(CLIENT_RETRY_BACKOFF_BASE**attempt for attempt in range(1, max_retries + 1))
 
 
 class EarlyAnswerCheck:

@@ -6,7 +6,7 @@ from draftflow.rule_log import logged
 
 with logged(snakemake.log[0]):
     with atomic_path(snakemake.output.model) as model_dir:
-        print(build_demo_target(model_dir, seed=snakemake.params.seed))
+        print(build_demo_target(model_dir, seed=snakemake.params.seed, threads=snakemake.threads))
     write_demo_prompts(
         Path(snakemake.output.prompts),
         count=snakemake.params.prompt_count,

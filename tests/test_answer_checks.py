@@ -8,7 +8,7 @@ from transformers import PreTrainedTokenizerFast
 
 from draftflow.answer_checks import CUT, EMPTY, LOOP, ONE_TOKEN, SAME, FlawedAnswers, answer_flaws, check_answers
 from draftflow.answers import AppendedRows, complete_length
-from draftflow.generate import EARLY_ANSWERS, EarlyAnswerCheck, GenerationSettings
+from draftflow.generate import CLIENT_RETRY_BACKOFF_BASE, EARLY_ANSWERS, EarlyAnswerCheck, GenerationSettings
 from draftflow.io import write_jsonl
 
 MAX_TOKENS = 40
@@ -95,3 +95,10 @@ def test_the_complete_length_ends_at_the_last_newline_read_from_the_end(tmp_path
     assert complete_length(path, block=4) == complete_length(path) == 18
     path.write_bytes(b'{"n": 0')
     assert complete_length(path, block=4) == 0 and complete_length(tmp_path / "absent.jsonl") == 0
+
+
+def test_the_retry_window_follows_the_clients_own_backoff():
+    """generate waits out the retries of speculators' client without importing it."""
+    from speculators.data_generation.vllm_client import RETRY_BACKOFF_BASE
+
+    assert CLIENT_RETRY_BACKOFF_BASE == RETRY_BACKOFF_BASE
