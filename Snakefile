@@ -3,7 +3,12 @@ from snakemake.utils import min_version, validate
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# The demo's config, unless a --configfile is given: a user's file stands alone, its
+# missing keys taking the schema's defaults wherever Snakemake runs (Snakemake would
+# otherwise merge it over config/config.yaml when run in the checkout).
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 validate(config, "draftflow/config_schema.yaml")

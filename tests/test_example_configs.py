@@ -2,11 +2,13 @@
 
 import json
 import re
+import shutil
 
 import pytest
 import yaml
 
 from tests.conftest import REPO, snakemake
+from tests.twins import build_twin
 
 
 def job_counts(dry_run_output: str) -> dict[str, int]:
@@ -66,3 +68,19 @@ def test_layer_ids_beyond_the_target_stop_the_run_at_parse_time(tmp_path):
     assert process.returncode != 0
     output = process.stdout + process.stderr
     assert "extract.layer_ids [2, 16, 40]" in output and "0..31" in output
+
+
+def test_a_users_config_file_stands_alone_also_run_in_the_checkout(tmp_path):
+    """Run where config/config.yaml lies (the checkout), a --configfile without
+    data.num_samples samples the schema's default (1000: all 250 rows), not the demo's 240."""
+    shutil.copytree(REPO / "config", tmp_path / "config")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n"
+                               for i in range(250)))  # fmt: skip
+    # the twin's 4 layers and 1507 tokens need their own layer ids and draft vocabulary
+    config = {"run": "alone", "device": "cpu", "target": {"path": str(build_twin("qwen3_moe", tmp_path / "target")), "dtype": "float32"},
+              "data": {"prompt_files": [str(prompts)]}, "vocab": {"draft_vocab_size": 64},
+              "extract": {"layer_ids": [1, 2, 3]}}  # fmt: skip
+    assert yaml.safe_load((REPO / "config/config.yaml").read_text())["data"]["num_samples"] == 240
+    snakemake(tmp_path, config, "results/alone/prompts/conversations.jsonl")
+    assert len((tmp_path / "results/alone/prompts/conversations.jsonl").read_text().splitlines()) == 250
