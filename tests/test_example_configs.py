@@ -7,6 +7,7 @@ import shutil
 import pytest
 import yaml
 
+from draftflow.io import write_jsonl
 from tests.conftest import REPO, snakemake
 from tests.twins import build_twin
 
@@ -75,8 +76,7 @@ def test_a_users_config_file_stands_alone_also_run_in_the_checkout(tmp_path):
     data.num_samples samples the schema's default (1000: all 250 rows), not the demo's 240."""
     shutil.copytree(REPO / "config", tmp_path / "config")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n"
-                               for i in range(250)))  # fmt: skip
+    write_jsonl(prompts, [{"id": f"q{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(250)])
     # the twin's 4 layers and 1507 tokens need their own layer ids and draft vocabulary
     config = {"run": "alone", "device": "cpu", "target": {"path": str(build_twin("qwen3_moe", tmp_path / "target")), "dtype": "float32"},
               "data": {"prompt_files": [str(prompts)]}, "vocab": {"draft_vocab_size": 64},
