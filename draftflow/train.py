@@ -22,6 +22,8 @@ from speculators.losses.utils import resolve_loss_config
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 from speculators.models.eagle3.data import shift_batch
 from hs_connectors import FP8Transfer
+from speculators.train.cli import main as speculators_train
+from speculators.train.config import TrainConfig
 from speculators.train.data import ArrowDataset, CollateFn
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from torch.utils.data import DataLoader
@@ -85,11 +87,11 @@ def drafter_flags(
 
 
 def init_drafter(target, aux_layer_ids, d2t, t2d, shape: DrafterShape, output: Path) -> None:
-    """The untrained drafter, built by speculators (also the evaluation's floor)."""
+    """The untrained drafter, built by speculators (also the evaluation's floor): what
+    ``speculators train --dry-run`` runs, in this process, which has speculators loaded."""
     with atomic_path(output) as tmp:
         flags = drafter_flags(target, aux_layer_ids, d2t, t2d, shape)
-        command = [sys.executable, "-m", "speculators", "train", *flags, "--dry-run", "--save-path", str(tmp)]
-        subprocess.run(command, check=True)
+        speculators_train(TrainConfig.resolve([*flags, "--dry-run", "--save-path", str(tmp)]))
 
 
 def load_drafter(path: Path, attention: str, dtype=torch.float32) -> Eagle3DraftModel:

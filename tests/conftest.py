@@ -78,7 +78,8 @@ def workflow_copy(folder: Path) -> Path:
 
 # `make test` runs two pytest-xdist workers. The modules whose tests read the demo run
 # go to one worker, which runs the demo once; every other module goes whole to a worker,
-# so its module fixtures (a twin's run, a SLURM cluster) run once.
+# so its module fixtures (a SLURM cluster) run once, but for the modules whose module
+# fixture is a run per parameter (a twin's): each parameter's tests go whole to a worker.
 DEMO_MODULES = {
     "test_data_stages", "test_extract_stage", "test_faults", "test_gates", "test_multi_turn", "test_plan",
     "test_rebuilds", "test_resume_reproducibility", "test_server_faults", "test_train_evaluate_report", "test_storage_fp8",
@@ -96,10 +97,26 @@ def module_of(nodeid: str) -> str:
     return Path(nodeid.split("::", 1)[0]).stem
 
 
+RUN_PER_PARAMETER_MODULES = {"test_twin_workflows"}
+# Seconds each scope took in a suite run on 2 cores (2026-12-02), rounded: the workers
+# take the longest first, so that none is left with a long one at the end. A scope not
+# listed took about a minute or less.
+SCOPE_SECONDS = {
+    "demo": 2100, "test_incremental_rebuilds": 1200, "test_twin_workflows[gpt_oss]": 350,
+    "test_twin_workflows[qwen3_moe]": 330, "test_twin_workflows[kimi_k25]": 250,
+    "test_twin_workflows[deepseek_v3]": 230, "test_slurm": 75, "test_twins": 70, "test_vllm_hidden_states_connector": 55,
+}  # fmt: skip
+
+
 def scope(nodeid: str) -> str:
-    """The unit a worker runs whole: the demo's modules together, else the test's module."""
+    """The unit a worker runs whole: the demo's modules together, a run-per-parameter
+    module's tests of one parameter, else the test's module."""
     module = module_of(nodeid)
-    return "demo" if module in DEMO_MODULES else module
+    if module in DEMO_MODULES:
+        return "demo"
+    if module in RUN_PER_PARAMETER_MODULES:
+        return f"{module}[{nodeid.rsplit('[', 1)[1]}"
+    return module
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -114,9 +131,14 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(items):
-    """Scopes with more tests first (usually the longer ones), those reading early work last."""
+    """The longest scopes first, then those with more tests; those reading early work last."""
     tests = Counter(scope(item.nodeid) for item in items)
-    items.sort(key=lambda item: (module_of(item.nodeid) in EARLY_WORK, -tests[scope(item.nodeid)]))
+
+    def order(item):
+        unit = scope(item.nodeid)
+        return module_of(item.nodeid) in EARLY_WORK, -SCOPE_SECONDS.get(unit, 0), -tests[unit], unit
+
+    items.sort(key=order)
 
 
 def pytest_xdist_node_collection_finished(node, ids):
@@ -288,6 +310,12 @@ def wait_for_exit(process: subprocess.Popen, timeout_s: float) -> int:
     except subprocess.TimeoutExpired:
         stop_group(process)
         pytest.fail(f"the workflow ran past {timeout_s} s and was stopped:\n{output_tail(process)}")
+
+
+def pause_group(process: subprocess.Popen) -> None:
+    """Stop the background workflow and its jobs where they are (SIGSTOP), for a test
+    to look at a moment that would otherwise pass; ``stop_group`` still kills it."""
+    os.killpg(process.pid, signal.SIGSTOP)
 
 
 def stop_group(process: subprocess.Popen) -> None:

@@ -13,7 +13,7 @@ from speculators.train.data import ArrowDataset
 
 from draftflow.fingerprint import file_sha256
 from draftflow.vllm_server import free_port
-from tests.conftest import REPO, complete_lines, copy_demo_run, demo_config, snakemake, start_snakemake, stop_group, wait_until
+from tests.conftest import REPO, complete_lines, copy_demo_run, demo_config, pause_group, snakemake, start_snakemake, stop_group, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -85,9 +85,12 @@ def test_a_killed_server_job_resumes_each_of_its_shards_from_its_journal(tmp_pat
     process = start_snakemake(tmp_path, config, "--cores", "1", "extract")
     journal = shard_dir / "journal.jsonl"
     wait_until(lambda: complete_lines(journal) >= 12, process, "shard 1's 11th file")
+    # the job stopped where it is while the progress checks look (they take seconds
+    # on a busy machine, time enough for the shard to finish), then killed
+    pause_group(process)
+    done_before_kill = complete_lines(journal) - 1
     assert (results / "run_plan.json").exists()  # the target existed: the run wrote its plan beside the stages
     during = [progress_report(tmp_path, folder) for folder in ("results/demo", "results/demo/hidden_states")]
-    done_before_kill = complete_lines(journal) - 1
     stop_group(process)
     assert 10 < done_before_kill < 100, "the kill did not land mid-shard"
     planned = json.loads((hidden_states / "plan.json").read_text())["samples"]

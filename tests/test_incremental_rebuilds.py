@@ -7,7 +7,9 @@ folder (incremental: what a user's second run does) and in a fresh folder
 (clean). The tests open the files both leave: the hidden states that training
 and evaluation read hold their rows' tokens; generation asked, and extraction
 computed, exactly the conversations and samples the edit made new; and the
-incremental run's files are the clean run's, byte for byte.
+incremental run's files are the clean run's, byte for byte. The edits touch the
+stages up to the training views; one of them (more samples) runs on through
+training and evaluation, to show that the same views train the same drafter.
 
 Every run generates through one vLLM server of the module (``generate.endpoint``,
 started with the flags the workflow gives its own), so its request counter says
@@ -50,14 +52,16 @@ MODULES = (
     "csv", "argparse", "logging", "threading", "queue", "contextlib", "dataclasses", "enum", "typing", "operator",
 )  # fmt: skip
 RUN = "edit"
-# What the runs build: up to the evaluation (fidelity, the report and provenance record
-# nothing the comparison looks at); the edits run without a clean twin stop at the views.
+# What the runs build: up to the training views (what an edit of the data changes), or on
+# to the evaluation (fidelity, the report and provenance record nothing the comparison
+# looks at).
 EVALUATION, VIEWS = f"results/{RUN}/evaluation/evaluation.json", f"results/{RUN}/training_data/split.json"
 PROMPTS, MORE_PROMPTS = "prompts.jsonl", "more-prompts.jsonl"  # in each run's folder, as a user keeps them
 EDITS = ("num_samples_grown", "prompt_file_added", "temperature_changed", "max_seq_length_lowered")
 # checked for what they redo and for the files training would read (run up to the training
 # views), not against a clean run
 EDITS_NOT_RUN_CLEAN = ("num_samples_shrunk", "prompt_edited_in_place")
+EDITS_RUN_TO_EVALUATION = ("num_samples_grown",)  # the others stop at the training views
 
 
 def questions(prefix: str, modules) -> list[dict]:
@@ -181,12 +185,13 @@ def run_edit(edit: str, lab: Path, server: str, start: Path, clean: bool) -> dic
     incremental = copy_of(start, lab / f"incremental-{edit}")
     if edit == "prompt_edited_in_place":
         edit_two_questions(incremental / PROMPTS, list(asked_conversations(start))[:2])
+    target = EVALUATION if edit in EDITS_RUN_TO_EVALUATION else VIEWS
     served = requests_served(server)
-    snakemake(incremental, edited_config, EVALUATION if clean else VIEWS)
+    snakemake(incremental, edited_config, target)
     run = {"edit": edit, "incremental": incremental, "start": start, "requests": requests_served(server) - served}
     if clean:
         run["clean"] = new_folder(lab, f"clean-{edit}")
-        snakemake(run["clean"], edited_config, EVALUATION)
+        snakemake(run["clean"], edited_config, target)
     return run
 
 
@@ -272,9 +277,12 @@ def test_generation_asked_and_extraction_computed_exactly_what_the_edit_made_new
 
 def test_the_incremental_run_makes_the_clean_runs_files(edited):
     clean, incremental = (results(edited[k]) for k in ("clean", "incremental"))
-    compared = assert_same_files(clean, incremental, {str(edited["incremental"]).encode(): str(edited["clean"]).encode()})
-    assert {"synthetic/generated.jsonl", "prepared/dataset/state.json", "drafter/model.safetensors",
-            "evaluation/evaluation.json"} <= compared  # fmt: skip
+    partial = edited["edit"] not in EDITS_RUN_TO_EVALUATION  # the start's drafter and evaluation stay, not rebuilt
+    renames = {str(edited["incremental"]).encode(): str(edited["clean"]).encode()}
+    compared = assert_same_files(clean, incremental, renames, stages_of_first_only=partial)
+    assert {"synthetic/generated.jsonl", "prepared/dataset/state.json", "training_data/split.json"} <= compared
+    trained = {"drafter/model.safetensors", "evaluation/evaluation.json"}
+    assert (trained <= compared) == (edited["edit"] in EDITS_RUN_TO_EVALUATION)
     assert sum(name.startswith("hidden_states/shard-") and name.endswith(".safetensors") for name in compared) == len(
         prepared_rows(edited["clean"])
     )
