@@ -277,12 +277,11 @@ def test_generation_asked_and_extraction_computed_exactly_what_the_edit_made_new
 
 def test_the_incremental_run_makes_the_clean_runs_files(edited):
     clean, incremental = (results(edited[k]) for k in ("clean", "incremental"))
-    partial = edited["edit"] not in EDITS_RUN_TO_EVALUATION  # the start's drafter and evaluation stay, not rebuilt
+    trained = edited["edit"] in EDITS_RUN_TO_EVALUATION  # else the start's drafter and evaluation stay, not rebuilt
     renames = {str(edited["incremental"]).encode(): str(edited["clean"]).encode()}
-    compared = assert_same_files(clean, incremental, renames, stages_of_first_only=partial)
+    compared = assert_same_files(clean, incremental, renames, stages_of_first_only=not trained)
     assert {"synthetic/generated.jsonl", "prepared/dataset/state.json", "training_data/split.json"} <= compared
-    trained = {"drafter/model.safetensors", "evaluation/evaluation.json"}
-    assert (trained <= compared) == (edited["edit"] in EDITS_RUN_TO_EVALUATION)
+    assert ({"drafter/model.safetensors", "evaluation/evaluation.json"} <= compared) == trained
     assert sum(name.startswith("hidden_states/shard-") and name.endswith(".safetensors") for name in compared) == len(
         prepared_rows(edited["clean"])
     )

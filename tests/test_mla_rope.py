@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftflow.config import schema, with_defaults
 from draftflow.extract.backends import open_extractor
 from draftflow.extract.fidelity import compare
 from draftflow.extract.hidden_states import full_precision
@@ -23,7 +24,7 @@ from tests.twins import DEFAULT_ROPE, build_deepseek_v3
 pytestmark = pytest.mark.slow
 
 LAYER_IDS = [1, 2, 3, 4]
-TOLERANCE = 1e-4  # extract.fidelity_tolerance.float32's default, which the MLA twins pass
+TOLERANCE = with_defaults({}, schema())["extract"]["fidelity_tolerance"]["float32"]  # which the MLA twins pass
 
 
 @pytest.fixture(scope="module")

