@@ -12,14 +12,16 @@ from draftflow.fingerprint import file_sha256, target_fingerprint
 from draftflow.vllm_registry import installed_version, vllm_builds
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
+# The workflow's packages, beside each other in its folder: draftflow and the demo's builders.
+WORKFLOW_PACKAGES = ("draftflow", "demo")
 PACKAGES = ("snakemake", "speculators", "hs-connectors", "torch", "transformers", "safetensors", "datasets", "tokenizers")
 
 
 def module_file(name: str) -> Path | None:
-    """The file of draftflow module ``name`` (a package's ``__init__.py``), if it is one."""
-    if name != "draftflow" and not name.startswith("draftflow."):
+    """The file of the workflow's module ``name`` (a package's ``__init__.py``), if it is one."""
+    if name.split(".", 1)[0] not in WORKFLOW_PACKAGES:
         return None
-    base = PACKAGE_ROOT.joinpath(*name.split(".")[1:])
+    base = PACKAGE_ROOT.parent.joinpath(*name.split("."))
     return next((path for path in (base.with_suffix(".py"), base / "__init__.py") if path.is_file()), None)
 
 
@@ -37,8 +39,8 @@ def named_modules(tree: ast.Module) -> set[str]:
     return names
 
 
-def draftflow_imports(path: Path) -> set[Path]:
-    """draftflow module files that ``path`` runs, directly or through others, with
+def workflow_imports(path: Path) -> set[Path]:
+    """The workflow's module files that ``path`` runs, directly or through others, with
     the packages that hold them."""
     found: set[Path] = set()
     pending = [path]
@@ -53,14 +55,15 @@ def draftflow_imports(path: Path) -> set[Path]:
 
 
 def code_version(script: str | Path) -> str:
-    """Hash of the draftflow modules a rule's script runs.
+    """Hash of the workflow's modules a rule's script runs.
 
     Snakemake tracks the script itself, not the modules it imports; a rule
     that passes this as a param reruns when any of them changes.
     """
     digest = hashlib.sha256()
-    for module in sorted(draftflow_imports(Path(script))):
-        digest.update(str(module.relative_to(PACKAGE_ROOT)).encode() + module.read_bytes())
+    for module in sorted(workflow_imports(Path(script))):
+        # named from draftflow's folder: the rules that run no demo module keep the versions earlier runs recorded
+        digest.update(os.path.relpath(module, PACKAGE_ROOT).encode() + module.read_bytes())
     return digest.hexdigest()[:16]
 
 

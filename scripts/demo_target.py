@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from draftflow.demo_target import build_demo_target, write_demo_prompts
+from demo.target import build_demo_target, write_demo_prompts
 from draftflow.io import atomic_path
 from draftflow.rule_log import logged
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from draftflow import demo_target
+from demo import target as demo_target
 
 QUESTION = [{"role": "user", "content": "Explain `json.dumps`."}]
 

@@ -105,6 +105,14 @@ def test_editing_a_module_the_extraction_jobs_run_reruns_them_and_one_no_rule_ru
     assert planned_rules(settled, demo_config(), workflow) == {"provenance"}  # the copy's folder, as unedited
 
 
+def test_editing_the_demos_builder_rebuilds_the_demo_target(settled, tmp_path):
+    """The demo's builders live outside draftflow (demo/); their rule's version follows them."""
+    workflow = workflow_copy(tmp_path)
+    with (workflow / "demo/target.py").open("a") as module:
+        module.write("\n# an edit\n")
+    assert "demo_target" in planned_rules(settled, demo_config(), workflow)
+
+
 def reversed_keys(value):
     return {k: reversed_keys(v) for k, v in reversed(value.items())} if isinstance(value, dict) else value
 

@@ -68,7 +68,7 @@ CORPUS_MODULES = (
 @functools.cache
 def corpus() -> tuple[str, ...]:
     """Docstrings of a few stdlib modules (read with ast, never imported) and the demo's questions."""
-    from draftflow.demo_target import QUESTIONS, SYSTEM_PROMPTS
+    from demo.target import QUESTIONS, SYSTEM_PROMPTS
 
     root = Path(sysconfig.get_paths()["stdlib"])
     texts: list[str] = []

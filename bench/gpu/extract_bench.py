@@ -38,7 +38,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor

@@ -19,7 +19,7 @@ end of the warm-up steps (torch.compile of the drafter's forward happens in
 the first steps) to the end of the last step. Peak memory is
 torch.cuda.max_memory_allocated over the run.
 
-The drafter is built like drafter_init does (``speculators train --dry-run``)
+The drafter is built by drafter_init's own call (``speculators train --dry-run``'s code)
 against a verifier folder with the target's config and random embedding,
 lm_head and norm weights (all that the drafter reads from a verifier). The
 hidden states are the files extract_bench.py kept (``--hs-dir``), or random
@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -135,13 +134,12 @@ def build_view(hs_dir: Path, rows: list[dict], view: Path) -> dict:
 
 
 def init_drafter(verifier: Path, aux_layer_ids: list[int], vocab_dir: Path, attention: str, output: Path) -> float:
-    from draftflow.train import DrafterShape, drafter_flags
+    """drafter_init's own call (draftflow.train.init_drafter); its seconds."""
+    from draftflow.train import DrafterShape
+    from draftflow.train import init_drafter as build_untrained
 
-    flags = drafter_flags(str(verifier), aux_layer_ids, vocab_dir / "d2t.npy", vocab_dir / "t2d.npy", DrafterShape(1, attention, 0))
-    # the verifier folder has no tokenizer, so name the mask token (unused by EAGLE-3)
-    command = [sys.executable, "-m", "speculators", "train", *flags, "--mask-token-id", "0", "--dry-run", "--save-path", str(output)]
     started = time.perf_counter()
-    subprocess.run(command, check=True)
+    build_untrained(str(verifier), aux_layer_ids, vocab_dir / "d2t.npy", vocab_dir / "t2d.npy", DrafterShape(1, attention, 0), output)
     return time.perf_counter() - started
 
 
