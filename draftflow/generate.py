@@ -26,6 +26,7 @@ from draftflow.answers import (
     unasked,
 )
 from draftflow.auth_proxy import api_key_from_env, authenticating_proxy
+from draftflow.chat_template import generation_record
 from draftflow.io import iter_jsonl, write_json, write_jsonl
 from draftflow.vllm_server import ServerGoneError, is_healthy, log_excerpt
 
@@ -253,6 +254,7 @@ def finish(
     seconds: float,
     asked_now: set[str],
     endpoint: str,
+    server_args: list[str] | None,
     output: Path,
     errors_output: Path,
     stats_output: Path,
@@ -263,7 +265,9 @@ def finish(
     of the conversations this run asked.
 
     ``endpoint`` replaces the URL the client recorded in each row: a local
-    server's port is random and would make reruns differ.
+    server's port is random and would make reruns differ. ``server_args``: the
+    flags of the server the rule started (None: an endpoint's), which say the chat
+    template it rendered with.
     """
     asked = list(iter_jsonl(conversations))
     rows = sorted(stored_rows(stored_answers(store), asked), key=lambda row: row["id"])
@@ -277,6 +281,8 @@ def finish(
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     stats = generation_stats(rows, errors, tokenizer, settings.reasoning_end_marker, seconds, asked_now)
     stats |= lost_turn_stats(asked, rows)
+    stats["chat_template"] = generation_record(tokenizer, tokenizer_dir, server_args)
+    print(f"Prompts rendered with the chat template: {stats['chat_template']['source']}, sha256 {stats['chat_template']['sha256']}")
     flaws = answer_flaws(rows, settings.max_tokens)
     stats |= flaw_stats(flaws) | {"truncated": sum(CUT in found for found in flaws.values())}
     stats["warnings"] = lost_turns_warnings(stats, settings.max_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 from datasets import Dataset
@@ -11,8 +12,9 @@ from speculators.data_generation.preprocessing import build_speculator_training_
 from speculators.train.vocab_mapping import save_token_frequency_distribution
 from transformers import AutoTokenizer
 
-from draftflow.io import atomic_path, iter_jsonl, write_json
-from draftflow.prepared_rows import PrepareStats, select_rows
+from draftflow.chat_template import check_generation_used, served_template, tokenizer_template_file
+from draftflow.io import atomic_path, iter_jsonl, read_json, write_json
+from draftflow.prepared_rows import PrepareStats, mask_mismatches, select_rows
 
 
 def check_token_ids(row: dict, vocab_size: int, source: Path) -> None:
@@ -29,30 +31,40 @@ PROBE_QUESTION = [{"role": "user", "content": "What does len() return?"}]
 PROBE_ANSWER = "The number of items."
 
 
-def check_assistant_span(tokenizer, target: str) -> None:
+def check_assistant_span(tokenizer, template: str | None, source: str) -> None:
     """Stop when the chat template renders no assistant turn after its generation
     prompt: the loss mask covers that span, so every mask would be empty."""
-    prompt = tokenizer.apply_chat_template(PROBE_QUESTION, add_generation_prompt=True, tokenize=False)
-    answered = [*PROBE_QUESTION, {"role": "assistant", "content": PROBE_ANSWER}]
-    full = tokenizer.apply_chat_template(answered, tokenize=False)
+    render = partial(tokenizer.apply_chat_template, chat_template=template, tokenize=False)
+    prompt = render(PROBE_QUESTION, add_generation_prompt=True)
+    full = render([*PROBE_QUESTION, {"role": "assistant", "content": PROBE_ANSWER}])
     span = full[len(os.path.commonprefix([prompt, full])) :]
     if PROBE_ANSWER not in span:
         raise ValueError(
-            f"The chat template of {target} ({chat_template_file(target)}) gives no assistant "
+            f"The chat template, {source}, gives no assistant "
             f"span: an answer after a user turn renders {span!r} after the generation prompt, "
             "so every loss mask would be empty. Use a template that renders assistant turns."
         )
 
 
-def chat_template_file(target: str) -> Path:
-    jinja = Path(target) / "chat_template.jinja"
-    return jinja if jinja.exists() else Path(target) / "tokenizer_config.json"
+def check_masks(rows: list[dict], masks: list[list[int]], max_length: int, source: Path) -> None:
+    """Stop unless every prepared row trains on exactly the tokens the server generated."""
+    if mismatches := mask_mismatches(rows, masks, max_length):
+        listed = "; ".join(mismatches[:5]) + (f"; and {len(mismatches) - 5} more" if len(mismatches) > 5 else "")
+        raise ValueError(
+            f"{source}: the loss mask of {len(mismatches)} of {len(rows)} rows does not cover exactly "
+            f"the answer tokens the server generated: {listed}. Trained on, they would teach the "
+            "drafter tokens the target did not answer. generate's client masks exactly those "
+            "tokens: check what else wrote or edited these rows (here or in the answer store "
+            "beside it, work/), then generate them again."
+        )
 
 
 def prepare(
     samples: Path,
+    generation_stats: Path,
     target: str,
     *,
+    chat_template: str | None,
     max_length: int,
     minimum_valid_tokens: int,
     on_too_long: str,
@@ -61,7 +73,9 @@ def prepare(
     stats_output: Path,
 ) -> PrepareStats:
     tokenizer = AutoTokenizer.from_pretrained(target)
-    check_assistant_span(tokenizer, target)
+    source, template = served_template(tokenizer, target, chat_template)
+    check_assistant_span(tokenizer, template, source)
+    check_generation_used(read_json(generation_stats)["chat_template"], source, template, generation_stats)
     rows = list(iter_jsonl(samples))
     for row in rows:
         check_token_ids(row, len(tokenizer), samples)
@@ -71,8 +85,8 @@ def prepare(
         raise ValueError(
             f"{samples}: no sample has {minimum_valid_tokens}+ supervised (assistant) tokens "
             f"within prepare.max_seq_length={max_length} ({asdict(stats)}). If every answer "
-            f"is empty, check the chat template in {target}/tokenizer_config.json: its "
-            "generation prompt must open an assistant turn."
+            f"is empty, check the chat template ({tokenizer_template_file(target)}, or "
+            "vllm.extra_args --chat-template): its generation prompt must open an assistant turn."
         )
     columns = {key: [row[key] for row in rows] for key in ("input_ids", "loss_mask")}
     dataset = build_speculator_training_dataset(
@@ -84,6 +98,7 @@ def prepare(
     )
     if len(dataset) != len(rows):
         raise RuntimeError(f"speculators dropped {len(rows) - len(dataset)} rows")
+    check_masks(rows, dataset["loss_mask"], max_length, samples)
     dataset = dataset.add_column("sample_id", [row["id"] for row in rows])
     with atomic_path(token_freq_output) as tmp:
         save_token_frequency_distribution(dataset, tmp)

@@ -42,3 +42,31 @@ def select_rows(
 def prepared_token_ids(row: dict, max_length: int) -> list[int]:
     """A kept row's token ids in the prepared dataset: speculators truncates to ``max_length``."""
     return row["input_ids"][:max_length]
+
+
+def generated_mask(row: dict, max_length: int) -> list[int] | None:
+    """The loss mask a kept row must have once prepared: 0 over the prompt the server
+    rendered, 1 over the tokens it generated (its ``metadata.usage`` counts), cut at
+    ``max_length``; None for a row whose usage gives no counts."""
+    usage = row.get("metadata", {}).get("usage") or {}
+    if not {"prompt_tokens", "completion_tokens"} <= usage.keys():
+        return None
+    return ([0] * usage["prompt_tokens"] + [1] * usage["completion_tokens"])[:max_length]
+
+
+def masked_span(mask: list[int]) -> str:
+    positions = [i for i, m in enumerate(mask) if m]
+    return f"{positions[0]}-{positions[-1]}" if positions else "none"
+
+
+def mask_mismatches(rows: list[dict], masks: list[list[int]], max_length: int) -> list[str]:
+    """For each kept row whose prepared loss mask is not :func:`generated_mask`: the
+    sample, the positions its mask covers and those the server generated."""
+    mismatches = []
+    for row, mask in zip(rows, masks, strict=True):
+        expected = generated_mask(row, max_length)
+        if expected is None:
+            mismatches.append(f"{row['id']}: its metadata.usage has no prompt_tokens and completion_tokens to check the mask against")
+        elif list(mask) != expected:
+            mismatches.append(f"{row['id']}: masks positions {masked_span(mask)}, the server generated {masked_span(expected)}")
+    return mismatches

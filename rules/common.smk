@@ -17,6 +17,7 @@ from draftflow.plan import write_plan
 from draftflow.target_model import read_target_model
 from draftflow.target_source import resolve_target
 from draftflow.vllm_server import server_env, target_server_args
+from draftflow import chat_template
 from draftflow.vllm_support import check_architecture, check_cpu_engine, cpu_server_args
 
 RUN = config["run"]
@@ -84,6 +85,11 @@ def target_cpu_args():
 
 def gpus_per_server():
     return server_gpus(config)
+
+
+def chat_template_flag():
+    """The --chat-template that generation's server takes from vllm.extra_args (None: the tokenizer's)."""
+    return chat_template.flag_value(config["vllm"]["extra_args"])
 
 
 def generation_server_args():

@@ -1,6 +1,7 @@
 rule prepare:
     input:
         samples=rules.generate.output.samples,
+        generation_stats=rules.generate.output.stats,
         target=TARGET,
     output:
         dataset=directory(result("prepared/dataset")),
@@ -17,5 +18,6 @@ rule prepare:
         max_seq_length=config["prepare"]["max_seq_length"],
         minimum_valid_tokens=config["prepare"]["minimum_valid_tokens"],
         on_too_long=config["prepare"]["on_too_long"],
+        chat_template=chat_template_flag(),
     script:
         "../scripts/prepare.py"

@@ -29,6 +29,7 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
         seconds,
         asked_now,
         endpoint=params.endpoint or "local vLLM server",
+        server_args=None if params.endpoint else params.server["args"],
         output=Path(snakemake.output.samples),
         errors_output=Path(snakemake.output.errors),
         stats_output=Path(snakemake.output.stats),

@@ -190,7 +190,7 @@ def test_chat_template_without_assistant_span_stops_prepare_naming_it(tmp_path, 
     process = snakemake(tmp_path, demo_config(), "results/demo/prepared/stats.json", check=False)
     assert process.returncode != 0
     log = (tmp_path / "logs/demo/prepare.log").read_text()
-    assert f"chat template of resources/demo-target ({template_file}) gives no assistant span" in log
+    assert f"The chat template, the tokenizer's own ({template_file}), gives no assistant span" in log
     assert (results / "synthetic/generated.jsonl").read_bytes() == generated
     assert not (results / "prepared/dataset").exists()
 

@@ -91,7 +91,7 @@ def test_stats_log_and_report_carry_the_lost_turns(tmp_path, tokenizer_dir, caps
     )  # fmt: skip
     stats_path = tmp_path / "stats.json"
     asked_now = {"single", "complete"}  # "truncated" was answered by an earlier run
-    finish(store, conversations, str(tokenizer_dir), settings, 1.0, asked_now, "test", tmp_path / "out.jsonl", tmp_path / "errors.jsonl", stats_path)
+    finish(store, conversations, str(tokenizer_dir), settings, 1.0, asked_now, "test", None, tmp_path / "out.jsonl", tmp_path / "errors.jsonl", stats_path)
     stats = json.loads(stats_path.read_text())
     assert [row["id"] for row in iter_jsonl(tmp_path / "out.jsonl")] == sorted(row["id"] for row in ROWS)
     assert [row["id"] for row in iter_jsonl(tmp_path / "errors.jsonl")] == ["failed"]
