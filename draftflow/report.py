@@ -147,7 +147,10 @@ def fidelity_line(fidelity: dict) -> str:
     if not fidelity["checked"]:
         return f"- extraction fidelity (vLLM vs transformers): {fidelity['reason']}"
     errors = ", ".join(f"{k}: {v:.1e}" for k, v in fidelity["max_relative_error_per_layer"].items())
-    return f"- extraction fidelity (vLLM vs transformers, max relative error per layer): {errors}"
+    greedy = fidelity["greedy_agreement"]
+    agreement = (f"transformers' greedy choice agrees with {greedy['share']:.1%} of {greedy['answer_tokens']} answer tokens"
+                 if greedy["checked"] else f"greedy agreement not checked: {greedy['reason']}")  # fmt: skip
+    return f"- extraction fidelity (vLLM vs transformers, max relative error per layer): {errors}; {agreement}"
 
 
 def markdown(run: str, rows: list[dict], stats: dict, compared: dict[str, dict]) -> str:

@@ -105,6 +105,14 @@ def fidelity_decision():
     )
 
 
+def greedy_agreement_minimum():
+    """The fidelity check's least share of greedy answer tokens transformers agrees with
+    (None: the answers were sampled, so none is compared)."""
+    if config["generate"]["temperature"] != 0:
+        return None
+    return config["extract"]["fidelity_min_greedy_agreement"][config["target"]["dtype"]]
+
+
 def extract_backend_options():
     return {
         "dtype": config["target"]["dtype"],

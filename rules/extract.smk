@@ -107,5 +107,7 @@ rule fidelity:
             config["extract"]["storage"],
         ),
         backend_options=extract_backend_options(),
+        temperature=config["generate"]["temperature"],
+        greedy_minimum=greedy_agreement_minimum(),
     script:
         "../scripts/fidelity.py"

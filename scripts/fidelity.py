@@ -2,8 +2,16 @@ from pathlib import Path
 
 from draftflow.extract.backends import open_extractor
 from draftflow.extract.hidden_states import full_precision
-from draftflow.extract.shards import load_samples
-from draftflow.extract.fidelity import compare, decide, device_memory, fidelity_failure, not_checked
+from draftflow.extract.shards import load_loss_masks, load_samples
+from draftflow.extract.fidelity import (
+    compare,
+    decide,
+    device_memory,
+    fidelity_failure,
+    greedy_agreement,
+    greedy_not_checked,
+    not_checked,
+)
 from draftflow.io import read_json, write_json
 from draftflow.gpus import claim_gpus
 from draftflow.rule_log import logged
@@ -16,11 +24,19 @@ def check_fidelity(target: str) -> dict:
     plan = read_json(snakemake.input.plan)
     samples = load_samples(Path(snakemake.input.dataset))[: params.samples]
     states = {}  # transformers' in full precision; vllm's as stored (fp8: quantized by its connector)
+    greedy = {}  # transformers' greedy choice after each position, from its own states
     for backend, storage in (("transformers", "full"), ("vllm", plan["storage"])):
         options = {**params.backend_options, "storage": storage}
         with open_extractor(backend, target, plan["layer_ids"], options, Path(snakemake.log.server)) as extract:
             states[backend] = {sample.index: full_precision(hs) for sample, hs in extract(samples)}
-    return compare(states["transformers"], states["vllm"], plan["layer_ids"], params.tolerance)
+            if backend == "transformers":
+                greedy = {s.sample_id: extract.greedy_next_tokens(states[backend][s.index]) for s in samples}
+    result = compare(states["transformers"], states["vllm"], plan["layer_ids"], params.tolerance)
+    if params.greedy_minimum is None:
+        return result | {"greedy_agreement": greedy_not_checked(params.temperature)}
+    masks = load_loss_masks(Path(snakemake.input.dataset), len(samples))
+    answers = {s.sample_id: (s.token_ids, mask) for s, mask in zip(samples, masks, strict=True)}
+    return result | {"greedy_agreement": greedy_agreement(answers, greedy, params.greedy_minimum)}
 
 
 with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):

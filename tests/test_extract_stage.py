@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from datasets import load_from_disk
 from safetensors.torch import load_file
 from speculators.train.data import ArrowDataset
 
@@ -58,6 +59,10 @@ def test_backends_agree_on_the_demo(demo_run):
     fidelity = json.loads((demo_run / "fidelity/fidelity.json").read_text())
     assert fidelity["passed"]
     assert max(fidelity["max_relative_error_per_layer"].values()) < 1e-5
+    greedy = fidelity["greedy_agreement"]  # the demo answers greedily
+    masks = load_from_disk(str(demo_run / "prepared/dataset")).with_format(None)["loss_mask"][: fidelity["samples"]]
+    assert greedy["passed"] and greedy["answer_tokens"] == sum(map(sum, masks))
+    assert greedy["share"] >= 0.99
 
 
 def test_training_view_loads_in_speculators_dataset(demo_run):

@@ -1,8 +1,9 @@
-"""The fidelity check runs where the target fits one device, and says so where it does not."""
+"""The fidelity check runs where the target fits one device, and says so where it does not;
+with greedy answers it counts those the target's own greedy choice agrees with."""
 
 import json
 
-from draftflow.extract.fidelity import GB, decide, device_memory, not_checked
+from draftflow.extract.fidelity import GB, decide, device_memory, fidelity_failure, greedy_agreement, greedy_not_checked, not_checked
 from draftflow.report import fidelity_line
 from draftflow.target_model import read_target_model
 
@@ -56,4 +57,30 @@ def test_the_report_says_not_checked_and_why():
     line = fidelity_line(not_checked(decision))
     assert "not checked" in line and "594.00 GB" in line
     checked = {"checked": True, "max_relative_error_per_layer": {"2": 3.8e-7, "8": 3e-7}}
-    assert fidelity_line(checked).endswith("2: 3.8e-07, 8: 3.0e-07")
+    greedy = {"checked": True, "share": 0.998, "answer_tokens": 812}
+    assert fidelity_line(checked | {"greedy_agreement": greedy}).endswith(
+        "2: 3.8e-07, 8: 3.0e-07; transformers' greedy choice agrees with 99.8% of 812 answer tokens"
+    )
+    sampled = fidelity_line(checked | {"greedy_agreement": greedy_not_checked(0.8)})
+    assert sampled.endswith("greedy agreement not checked: answers sampled at generate.temperature 0.8: greedy answers (0) are compared")
+
+
+def test_greedy_agreement_counts_each_answer_token_against_the_choice_after_the_answer_so_far():
+    token_ids, mask = [5, 6, 7, 8, 9], [0, 0, 1, 1, 1]
+    after_each_position = [0, 7, 8, 0, 0]  # after 6: 7, after 7: 8 (both answered so), after 8: 0, not 9
+    result = greedy_agreement({"s": (token_ids, mask)}, {"s": after_each_position}, 0.5)
+    assert (result["agreeing"], result["answer_tokens"], result["passed"]) == (2, 3, True)
+    assert result["per_sample"] == {"s": 2 / 3}
+    one_ahead = [7, 8, 9, 0, 0]  # each choice compared with the token it precedes, not the one after
+    assert greedy_agreement({"s": (token_ids, mask)}, {"s": one_ahead}, 0.5)["agreeing"] == 0
+
+
+def test_a_greedy_agreement_below_its_minimum_fails_naming_the_share_the_samples_and_the_causes():
+    answers = {"q1": ([1, 2, 3], [0, 1, 1]), "q2": ([1, 2, 3], [0, 1, 1])}
+    result = {"checked": True, "passed": True,
+              "greedy_agreement": greedy_agreement(answers, {"q1": [2, 3, 0], "q2": [0, 0, 0]}, 0.95)}  # fmt: skip
+    failure = fidelity_failure(result)
+    assert failure.startswith("transformers' greedy choice agrees with 50.0% of the 4 answer tokens generation produced, "
+                              "below extract.fidelity_min_greedy_agreement 0.95 (lowest: q2 0%, q1 100%)")  # fmt: skip
+    assert "zeroed lm_head or final norm" in failure and "hidden states" not in failure
+    assert fidelity_failure(result | {"greedy_agreement": greedy_agreement(answers, {"q1": [2, 3, 0]} | {"q2": [2, 3, 0]}, 0.95)}) is None

@@ -2,6 +2,7 @@
 disk check refuses, a parse-time refusal runs no job, provenance can fail."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -93,15 +94,26 @@ def test_an_evaluation_gate_above_the_drafter_fails_the_run_and_leaves_no_report
 
 
 @pytest.mark.slow
-def test_a_fidelity_tolerance_below_the_measured_error_fails_naming_the_layer(tmp_path, demo_run):
+def test_the_fidelity_check_fails_naming_the_layer_and_a_target_whose_greedy_choice_disagrees(tmp_path, demo_run):
+    """One run of the fidelity rule: its tolerance below the error measured, and the copy
+    of the target with its final norm zeroed (the answers came from the intact one): the
+    states before that norm still agree, its greedy choice no longer."""
     results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic", "prepared", "hidden_states")
     measured = json.loads((demo_run / "fidelity/fidelity.json").read_text())["max_relative_error_per_layer"]
     worst = max(measured, key=measured.get)
+    weights = tmp_path / "resources/demo-target/model.safetensors"
+    times = [(path, path.stat()) for path in (weights, weights.parent)]
+    tensors = load_file(weights)
+    tensors["model.norm.weight"] = torch.zeros_like(tensors["model.norm.weight"])
+    save_file(tensors, weights, metadata={"format": "pt"})
+    for path, stat in times:  # as old as the answers: Snakemake reruns only the rule asked for
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     config = demo_config(extract={"fidelity_tolerance": {"float32": measured[worst] / 2}})
     process = snakemake(tmp_path, config, "results/demo/fidelity/fidelity.json", check=False)
-    assert process.returncode != 0
+    assert process.returncode != 0 and "rule generate:" not in process.stdout + process.stderr
     log = (tmp_path / "logs/demo/fidelity.log").read_text()
     assert "differ beyond extract.fidelity_tolerance" in log and f"layer {worst}: " in log
+    assert "below extract.fidelity_min_greedy_agreement 0.95" in log and "zeroed lm_head or final norm" in log
     assert not (results / "fidelity/fidelity.json").exists()
 
 

@@ -16,7 +16,6 @@ from draftflow.units import fmt_bytes
 if TYPE_CHECKING:
     import torch
 
-DEFAULT_TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
 # An accelerator's memory when extract.fidelity_device_memory_gb is not set:
 # the smallest of the common 8-GPU nodes' (A100/H100 80 GB).
 DEFAULT_GPU_MEMORY_GB = 80
@@ -113,15 +112,49 @@ def compare(
     }
 
 
+def greedy_agreement(answers: dict[str, tuple[list[int], list[int]]], greedy: dict[str, list[int]], minimum: float) -> dict:
+    """How many answer tokens (loss mask 1) the target's own greedy choice agrees with,
+    taken after the answer so far (``greedy[sample][j]``: transformers' argmax after
+    position j); ``answers``: each sample's token ids and loss mask."""
+    per_sample = {}
+    for sample_id, (token_ids, loss_mask) in answers.items():
+        answer = [j for j in range(1, len(token_ids)) if loss_mask[j]]
+        per_sample[sample_id] = (sum(greedy[sample_id][j - 1] == token_ids[j] for j in answer), len(answer))
+    agreeing, tokens = (sum(counts) for counts in zip(*per_sample.values(), strict=True))
+    share = agreeing / max(tokens, 1)
+    return {
+        "checked": True, "answer_tokens": tokens, "agreeing": agreeing, "share": share, "minimum": minimum,
+        "per_sample": {sample_id: a / max(n, 1) for sample_id, (a, n) in per_sample.items()},
+        "passed": share >= minimum,
+    }  # fmt: skip
+
+
+def greedy_not_checked(temperature: float) -> dict:
+    return {"checked": False, "passed": None,
+            "reason": f"answers sampled at generate.temperature {temperature:g}: greedy answers (0) are compared"}  # fmt: skip
+
+
 def fidelity_failure(result: dict) -> str | None:
-    """The message that fails the run when a checked layer id differs beyond the tolerance, naming it."""
-    if result["passed"] is not False:
-        return None
-    tolerance = result["tolerance"]
-    beyond = {layer: error for layer, error in result["max_relative_error_per_layer"].items() if error > tolerance}
-    layers = ", ".join(f"layer {layer}: {error:.3g}" for layer, error in beyond.items())
-    return (
-        f"vLLM and transformers hidden states differ beyond extract.fidelity_tolerance {tolerance:g} "
-        f"(max relative error) at {layers} ({result['samples']} samples). "
-        "Check extract.layer_ids and the target's dtype before training on them."
-    )
+    """The message that fails the run: each checked layer id that differs beyond the
+    tolerance, and a greedy agreement below its minimum, named."""
+    failures = []
+    if result["passed"] is False:
+        tolerance = result["tolerance"]
+        beyond = {layer: error for layer, error in result["max_relative_error_per_layer"].items() if error > tolerance}
+        layers = ", ".join(f"layer {layer}: {error:.3g}" for layer, error in beyond.items())
+        failures.append(
+            f"vLLM and transformers hidden states differ beyond extract.fidelity_tolerance {tolerance:g} "
+            f"(max relative error) at {layers} ({result['samples']} samples). "
+            "Check extract.layer_ids and the target's dtype before training on them."
+        )
+    greedy = result.get("greedy_agreement", {})
+    if greedy.get("passed") is False:
+        worst = ", ".join(f"{sample_id} {share:.0%}" for sample_id, share in sorted(greedy["per_sample"].items(), key=lambda item: item[1])[:3])
+        failures.append(
+            f"transformers' greedy choice agrees with {greedy['share']:.1%} of the {greedy['answer_tokens']} answer "
+            f"tokens generation produced, below extract.fidelity_min_greedy_agreement {greedy['minimum']:g} "
+            f"(lowest: {worst}): the server that answered runs the target otherwise than its checkpoint "
+            "(another model or dtype behind generate.endpoint, a missing or zeroed lm_head or final norm, "
+            "another rope). Check generation's server log and the target before training on these answers."
+        )
+    return " ".join(failures) or None

@@ -46,6 +46,11 @@ def load_samples(dataset_dir: Path) -> list[Sample]:
     ]
 
 
+def load_loss_masks(dataset_dir: Path, count: int) -> list[list[int]]:
+    """The loss masks of the prepared dataset's first ``count`` rows (those of ``load_samples``)."""
+    return load_from_disk(str(dataset_dir)).with_format(None).select(range(count))["loss_mask"]
+
+
 Extractor = Callable[[list[Sample]], Iterator[tuple[Sample, torch.Tensor | Fp8States]]]
 
 

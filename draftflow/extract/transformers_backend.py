@@ -126,6 +126,7 @@ class TransformersExtractor:
         self, model, layer_ids: list[int], token_budget: int, device: str, in_flight: int = 2, storage: str = "full"
     ):
         self.decoder = model.get_decoder()
+        self.head = model.get_output_embeddings()
         self.storage = storage  # fp8: quantized where the states are, before the copy to the host
         self.capture = LayerCapture(self.decoder, layer_ids)
         self.token_budget = token_budget
@@ -185,6 +186,14 @@ class TransformersExtractor:
                 yield sample, ready.row(row)
                 timings["consumer_s"] += time.perf_counter() - handed
             del ready
+
+    @torch.inference_mode()
+    def greedy_next_tokens(self, states: torch.Tensor) -> list[int]:
+        """The target's greedy choice after each position of a sample: its last layer's
+        states before the final norm (the last slot of ``states``, as extracted) through
+        the final norm and the output head."""
+        last = states[:, -1].to(self.device, self.head.weight.dtype)
+        return self.head(self.decoder.norm(last)).argmax(-1).tolist()
 
 
 def compile_decoder_layers(decoder: torch.nn.Module) -> None:
