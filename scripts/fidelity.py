@@ -24,15 +24,15 @@ def check_fidelity(target: str) -> dict:
     plan = read_json(snakemake.input.plan)
     samples = load_samples(Path(snakemake.input.dataset))[: params.samples]
     states = {}  # transformers' in full precision; vllm's as stored (fp8: quantized by its connector)
-    greedy = {}  # transformers' greedy choice after each position, from its own states
+    greedy = {}  # with greedy answers: transformers' own choice after each position, from its states
     for backend, storage in (("transformers", "full"), ("vllm", plan["storage"])):
         options = {**params.backend_options, "storage": storage}
         with open_extractor(backend, target, plan["layer_ids"], options, Path(snakemake.log.server)) as extract:
             states[backend] = {sample.index: full_precision(hs) for sample, hs in extract(samples)}
-            if backend == "transformers":
+            if backend == "transformers" and params.greedy_minimum is not None:
                 greedy = {s.sample_id: extract.greedy_next_tokens(states[backend][s.index]) for s in samples}
     result = compare(states["transformers"], states["vllm"], plan["layer_ids"], params.tolerance)
-    if params.greedy_minimum is None:
+    if not greedy:
         return result | {"greedy_agreement": greedy_not_checked(params.temperature)}
     masks = load_loss_masks(Path(snakemake.input.dataset), len(samples))
     answers = {s.sample_id: (s.token_ids, mask) for s, mask in zip(samples, masks, strict=True)}
