@@ -35,10 +35,11 @@ lint: install
 test: lint
 	$(BIN)/pytest -n $(CORES)
 
-# The CPU lock is frozen from the CPU venv; the CUDA lock is resolved by pip
+# The CPU lock is frozen from the CPU venv (torchvision's CPU build, where the venv has
+# it, is installed beside torch instead); the CUDA lock is resolved by pip
 # (Python 3.11 and 3.12, default index); both regenerate the install scripts.
 lock:
-	$(BIN)/pip freeze --all --exclude-editable --exclude pip > requirements-cpu.lock
+	$(BIN)/pip freeze --all --exclude-editable --exclude pip --exclude torchvision > requirements-cpu.lock
 	$(BIN)/python -m draftflow.locks scripts
 
 lock-cuda:

