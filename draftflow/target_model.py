@@ -73,9 +73,10 @@ class TargetModel:
     def num_layers(self) -> int:
         """num_hidden_layers, else the length of the per-layer list that replaces it
         (Nemotron-H's layers_block_type as transformers writes it)."""
-        for key in LAYER_LISTS:
-            if "num_hidden_layers" not in self.text_config and isinstance(self.text_config.get(key), list):
-                return len(self.text_config[key])
+        if "num_hidden_layers" not in self.text_config:
+            lists = [value for key in LAYER_LISTS if isinstance(value := self.text_config.get(key), list)]
+            if lists:
+                return len(lists[0])
         return self.setting("num_hidden_layers")
 
     @property

@@ -66,8 +66,9 @@ class Family:
 # ------------------------------------------------------------------- vLLM's side
 
 
-def vllm_families() -> list[Family]:
-    """vLLM's SupportsEagle3 architectures with transformers' class for each."""
+@functools.cache
+def vllm_families() -> tuple[Family, ...]:
+    """vLLM's SupportsEagle3 architectures with transformers' class for each (asked once)."""
     asked = subprocess.run(
         [sys.executable, "-c", "from tests.families import print_vllm_answers; print_vllm_answers()"],
         capture_output=True, text=True, cwd=REPO, check=False,
@@ -76,21 +77,16 @@ def vllm_families() -> list[Family]:
         raise RuntimeError(f"asking vLLM for its architectures failed:\n{asked.stderr[-3000:]}")
     answers = json.loads(asked.stdout.splitlines()[-1])
     classes = transformers_classes()
-    return [
-        Family(architecture, **answer, model_class=classes.get(normalized(architecture), (None, None))[0],
-               model_type=classes.get(normalized(architecture), (None, None))[1])
-        for architecture, answer in sorted(answers.items())
-        if answer["eagle3"]
-    ]  # fmt: skip
-
-
-@functools.cache
-def vllm_families_cached() -> tuple[Family, ...]:
-    return tuple(vllm_families())
+    families = []
+    for architecture, answer in sorted(answers.items()):
+        if answer["eagle3"]:
+            model_class, model_type = classes.get(normalized(architecture), (None, None))
+            families.append(Family(architecture, **answer, model_class=model_class, model_type=model_type))
+    return tuple(families)
 
 
 def print_vllm_answers() -> None:
-    """(In the subprocess) architecture -> eagle3, loads, load_error, imports_torchvision, as JSON."""
+    """(In the subprocess) architecture -> eagle3, source_eagle3, loads, load_error, as JSON."""
     sys.modules["torchvision"] = None  # hidden: the answers must not depend on whether it is installed
     from vllm.model_executor.models import registry
     from vllm.model_executor.models.interfaces import supports_eagle3
@@ -306,7 +302,7 @@ def main(argv: list[str]) -> None:
 
     readme = Path(argv[0])
     with tempfile.TemporaryDirectory() as folder:
-        rows = family_rows(vllm_families_cached(), built_twins(Path(folder)))
+        rows = family_rows(vllm_families(), built_twins(Path(folder)))
     readme.write_text(replace_table(readme.read_text(), family_table(rows)))
 
 

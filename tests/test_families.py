@@ -16,7 +16,7 @@ from draftflow.extract.fidelity import relative_errors
 from draftflow.extract.layout import Sample
 from draftflow.extract.transformers_backend import TransformersExtractor, load_target
 from draftflow.layers import resolve_layer_ids
-from draftflow.target_model import read_target_model
+from draftflow.target_model import read_target_model, weight_files
 from draftflow.vllm_registry import ArchitectureSupport, architecture_support, installed_version, vllm_build
 from draftflow.vllm_support import (
     WAYS_OUT,
@@ -62,7 +62,7 @@ STATES_TOLERANCE = 1e-5  # fp32, relative: a padded batch against a batch of one
 def built_twins(folder: Path) -> dict[str, Path | str]:
     """architecture -> its twin's folder, or why none could be built."""
     twins: dict[str, Path | str] = {}
-    for family in matrix.vllm_families_cached():
+    for family in matrix.vllm_families():
         if family.model_class is None:
             twins[family.architecture] = "none: transformers has no class for it (remote code only)"
             continue
@@ -118,7 +118,7 @@ def states_errors(folder: Path) -> list[float]:
 
 
 def test_the_matrix_lists_every_supports_eagle3_architecture_of_the_pinned_vllm():
-    found = {family.architecture: family for family in matrix.vllm_families_cached()}
+    found = {family.architecture: family for family in matrix.vllm_families()}
     assert set(NAMED_FAMILIES) <= set(found), sorted(set(NAMED_FAMILIES) - set(found))
     assert "Gemma3ForConditionalGeneration" not in found and "Gemma3ForCausalLM" not in found
     assert all(family.eagle3 for family in found.values())
@@ -160,17 +160,16 @@ def test_each_twin_resolves_gets_default_layer_ids_and_the_backend_states_transf
 def twin_problems(architecture: str, folder: Path) -> list[str]:
     target = read_target_model(folder)
     found = []
-    if True:
-        if target.architectures != [architecture] or target.num_layers != 4:
-            found.append(f"resolved as {target.architectures} with {target.num_layers} layers")
-        names = set(target.head_weights.files)
-        if {target.head_weights.embed_tokens, target.head_weights.final_norm} - names:
-            found.append(f"head weights {target.head_weights}")
-        if resolve_layer_ids(None, target.num_layers) != [1, 2, 3, 4]:
-            found.append("default layer ids")
-        errors = states_errors(folder)
-        if max(errors) >= STATES_TOLERANCE:
-            found.append(f"states off by {max(errors):.2e}")
+    if target.architectures != [architecture] or target.num_layers != 4:
+        found.append(f"resolved as {target.architectures} with {target.num_layers} layers")
+    head, names = target.head_weights, set(weight_files(folder))
+    if {head.embed_tokens, head.final_norm, head.lm_head} - names:
+        found.append(f"head weights {target.head_weights}")
+    if resolve_layer_ids(None, target.num_layers) != [1, 2, 3, 4]:
+        found.append("default layer ids")
+    errors = states_errors(folder)
+    if max(errors) >= STATES_TOLERANCE:
+        found.append(f"states off by {max(errors):.2e}")
     return found
 
 
@@ -178,7 +177,7 @@ def test_the_support_decision_at_parse_time_is_vllms_own(twins, tmp_path, monkey
     """draftflow.vllm_support, asking vLLM as a run's parse does (its cache emptied), stops
     before any job on exactly the families whose class does not load here, naming the cause."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    families = matrix.vllm_families_cached()
+    families = matrix.vllm_families()
     architecture_support([family.architecture for family in families], vllm_build())  # one question for all
     wrong = {}
     for family in families:
@@ -226,5 +225,5 @@ def family_rows(families, twins: dict[str, Path | str]) -> list[dict]:
 
 def test_the_readme_family_table_is_the_matrix(twins):
     readme = (REPO / "README.md").read_text()
-    table = matrix.family_table(family_rows(matrix.vllm_families_cached(), twins))
+    table = matrix.family_table(family_rows(matrix.vllm_families(), twins))
     assert matrix.replace_table(readme, table) == readme, "run: python -m tests.families README.md"
