@@ -12,6 +12,9 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 from speculators.train.data import ArrowDataset
 
+from draftflow.extract.fidelity import relative_errors
+from draftflow.extract.layout import Sample
+from draftflow.extract.transformers_backend import TransformersExtractor, load_target
 from draftflow.fingerprint import file_sha256
 from draftflow.vllm_server import free_port
 from tests.conftest import REPO, complete_lines, copy_demo_run, demo_config, pause_group, snakemake, start_snakemake, stop_group, wait_until
@@ -63,6 +66,26 @@ def test_backends_agree_on_the_demo(demo_run):
     masks = load_from_disk(str(demo_run / "prepared/dataset")).with_format(None)["loss_mask"][: fidelity["samples"]]
     assert greedy["passed"] and greedy["answer_tokens"] == sum(map(sum, masks))
     assert greedy["share"] >= 0.99
+
+
+def test_one_packed_batch_gives_each_demo_sample_the_states_of_the_sample_alone(demo_run):
+    """The transformers backend runs a batch's samples end to end in one row; on the demo
+    target in float32 each sample's states are those of the sample run alone."""
+    model = load_target(str(demo_run.parents[1] / "resources/demo-target"), dtype=torch.float32).eval()
+    rows = load_from_disk(str(demo_run / "prepared/dataset")).with_format(None)["input_ids"][:24]
+    assert min(map(len, rows)) < max(map(len, rows)) / 2
+    layer_ids = manifests(demo_run)[0]["layer_ids"]
+    extractor = TransformersExtractor(model, layer_ids, token_budget=sum(map(len, rows)), device="cpu")
+    extracted = {sample.index: states for sample, states in extractor([Sample(i, f"row-{i}", ids) for i, ids in enumerate(rows)])}
+    assert extractor.timings["batches"] == 1 and extractor.timings["padded_tokens"] == extractor.timings["tokens"]
+    extractor.close()
+    with torch.inference_mode():
+        for index, token_ids in enumerate(rows):
+            hidden = model(input_ids=torch.tensor([token_ids]), output_hidden_states=True).hidden_states
+            expected = torch.stack([*(hidden[k][0] for k in layer_ids[:-1]), hidden[-1][0]], dim=1)
+            states = extracted[index]
+            got = torch.cat([states[:, :-1], model.model.norm(states[:, -1])[:, None]], dim=1)
+            assert max(relative_errors(expected, got)) < 1e-5, index
 
 
 def test_training_view_loads_in_speculators_dataset(demo_run):

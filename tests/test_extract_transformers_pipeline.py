@@ -1,8 +1,8 @@
-"""The transformers extractor's pipeline: unmasked right padding, views, early stop, hooks."""
+"""The transformers extractor's pipeline: packed samples, unmasked right padding, views, early stop, hooks."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from draftflow.extract.hidden_states import Fp8States, to_storage
 from draftflow.extract.layout import Sample
@@ -29,22 +29,47 @@ def samples(lengths):
     return [Sample(i, f"s{i}", torch.randint(0, 200, (n,), generator=generator).tolist()) for i, n in enumerate(lengths)]
 
 
-def test_right_padding_without_a_mask_matches_each_sample_alone(tiny_model):
-    """Batched rows are right-padded and run causally without a mask: real positions never
-    see the padding, so each sample's states are Hugging Face's for the sample run alone
-    (the last slot is before the final norm: normed, it is Hugging Face's last state)."""
-    batch = samples([40, 23, 7, 31])
-    extractor = TransformersExtractor(tiny_model, [1, 3, LAYERS], token_budget=4 * 40, device="cpu")
-    got = {s.sample_id: states for s, states in extractor(batch)}
-    assert extractor.timings["batches"] == 1 and extractor.timings["padded_tokens"] == 4 * 40
+def assert_states_of_each_sample_alone(model, got: dict, batch, layer_ids: list[int]) -> None:
+    """Each sample's states are Hugging Face's for the sample run alone (the last slot is
+    before the final norm: normed, it is Hugging Face's last state)."""
     for sample in batch:
         with torch.no_grad():
-            reference = tiny_model(torch.tensor([sample.token_ids]), output_hidden_states=True).hidden_states
+            reference = model(torch.tensor([sample.token_ids]), output_hidden_states=True).hidden_states
             states = got[sample.sample_id]
-            assert states.shape == (len(sample.token_ids), 3, 32)
-            torch.testing.assert_close(states[:, 0], reference[1][0], atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(states[:, 1], reference[3][0], atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(tiny_model.model.norm(states[:, 2]), reference[LAYERS][0], atol=1e-5, rtol=1e-4)
+            assert states.shape == (len(sample.token_ids), len(layer_ids), 32)
+            for slot, layer_id in enumerate(layer_ids[:-1]):
+                torch.testing.assert_close(states[:, slot], reference[layer_id][0], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(model.model.norm(states[:, -1]), reference[-1][0], atol=1e-5, rtol=1e-4)
+
+
+def test_packed_samples_attend_only_to_themselves(tiny_model):
+    """One row of the samples end to end, no padding at all; each sample's states are those
+    of the sample alone."""
+    batch = samples([40, 23, 7, 31])
+    extractor = TransformersExtractor(tiny_model, [1, 3, LAYERS], token_budget=101, device="cpu")
+    assert extractor.packed
+    got = {s.sample_id: states for s, states in extractor(batch)}
+    assert extractor.timings["batches"] == 1 and extractor.timings["padded_tokens"] == extractor.timings["tokens"] == 101
+    assert_states_of_each_sample_alone(tiny_model, got, batch, [1, 3, LAYERS])
+    extractor.close()
+    assert tiny_model.config._attn_implementation == "sdpa"
+
+
+def test_a_sliding_window_decoder_gets_right_padded_rows_without_a_mask():
+    """Packed attention applies no window, so such a decoder runs padded rows causally without
+    a mask: real positions never see the padding after them."""
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, sliding_window=16,
+    )  # fmt: skip
+    model = MistralForCausalLM(config).eval()
+    batch = samples([40, 23, 7, 31])
+    extractor = TransformersExtractor(model, [1, 3, LAYERS], token_budget=4 * 40, device="cpu")
+    assert extractor.packing_refusal == "it attends within a sliding window"
+    got = {s.sample_id: states for s, states in extractor(batch)}
+    assert extractor.timings["batches"] == 1 and extractor.timings["padded_tokens"] == 4 * 40
+    assert_states_of_each_sample_alone(model, got, batch, [1, 3, LAYERS])
 
 
 def test_samples_are_contiguous_views_of_their_batch(tiny_model):
@@ -65,7 +90,7 @@ def test_stopping_early_and_removing_the_hooks(tiny_model):
     assert [s.index for s, _ in first] == [s.index for s in list(batches_by_token_budget(many, 27))[0]] + [3]
     assert extractor.timings["batches"] == 2
     hooks = sum(len(layer._forward_hooks) for layer in tiny_model.model.layers)
-    extractor.capture.remove()
+    extractor.close()
     assert sum(len(layer._forward_hooks) for layer in tiny_model.model.layers) == hooks - 2
     assert not extractor.capture.captured
 

@@ -87,9 +87,12 @@ def test_shard_assignment_is_stable_as_samples_grow():
 
 def test_token_budget_batches_cover_every_sample_once():
     samples = make_samples(50)
-    batches = list(batches_by_token_budget(samples, 200))
-    assert sorted(s.index for b in batches for s in b) == list(range(50))
-    assert all(len(b) * max(len(s.token_ids) for s in b) <= 200 or len(b) == 1 for b in batches)
+    packed, padded = list(batches_by_token_budget(samples, 200)), list(batches_by_token_budget(samples, 200, packed=False))
+    for batches in (packed, padded):
+        assert sorted(s.index for b in batches for s in b) == list(range(50))
+    assert all(sum(len(s.token_ids) for s in b) <= 200 or len(b) == 1 for b in packed)
+    assert all(len(b) * max(len(s.token_ids) for s in b) <= 200 or len(b) == 1 for b in padded)
+    assert len(packed) < len(padded)
 
 
 def test_slots_match_hf_hidden_states_and_last_is_before_the_norm(tiny_target):

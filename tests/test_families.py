@@ -113,7 +113,7 @@ def states_errors(folder: Path) -> list[float]:
             expected = torch.stack([*(hidden[k][0] for k in layer_ids[:-1]), hidden[-1][0]], dim=1)
             extracted = torch.cat([states[:, :-1], final[:, None]], dim=1)
             worst = [max(a, b) for a, b in zip(worst, relative_errors(expected, extracted), strict=True)]
-    extractor.capture.remove()
+    extractor.close()
     return worst
 
 

@@ -9,13 +9,17 @@ One run measures, in this order, on the machine it runs on:
    copies to the host, nothing written);
 3. ``write``: ``write_sample`` alone on host tensors, 1 thread and --writers;
 4. ``baseline``: the simplest loop (batch of one, ``output_hidden_states=True``,
-   logits computed, ``.cpu()``, ``safetensors.save_file`` per sample);
+   logits computed, ``.cpu()``, ``safetensors.save_file`` per sample), over
+   the first --baseline-samples;
 5. ``backend_eager``: ``draftflow.extract.shards.run_shard`` with the extractor
    (the workflow's path: files written on --writers threads, each serialized,
    hashed, fsynced, renamed and journaled), decoder layers not compiled;
-6. the decoder layers compiled (``extract.compile: true``; the compile time is
-   reported, not timed in the runs), then ``compute`` and ``backend`` again:
-   ``backend`` is the workflow's GPU path and the number BENCHMARKS.md reports;
+6. the decoder layers compiled (``extract.compile``, on by default on CUDA; the
+   compile time is reported, not timed in the runs), then ``compute`` again,
+   ``backend_fp8`` (``extract.storage: fp8``), ``backend_padded`` (right-padded
+   rows instead of packed samples, for comparison; its graph compiled before)
+   and ``backend``: the default settings, the workflow's GPU path and the
+   number BENCHMARKS.md reports; each run's padding share is recorded;
 7. the disk again, to see that it did not change under the runs.
 
 Every timed region ends with ``os.sync()``. The target is a Llama of the
@@ -152,13 +156,15 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
 
 
 @contextmanager
-def extractor_of(model, layer_ids, token_budget, device, in_flight, holder: dict, storage: str = "full"):
+def extractor_of(model, layer_ids, token_budget, device, in_flight, holder: dict, storage: str = "full", padded=False):
     extractor = TransformersExtractor(model, layer_ids, token_budget, str(device), in_flight, storage=storage)
+    if padded:  # right-padded rows, as a decoder that cannot pack gets them (for comparison)
+        extractor.packing_refusal = "padded for comparison"
     holder["extractor"] = extractor
     try:
         yield extractor
     finally:
-        extractor.capture.remove()
+        extractor.close()
 
 
 def result_of(name: str, tokens: int, written: int, seconds: float, **extra) -> dict:
@@ -166,11 +172,11 @@ def result_of(name: str, tokens: int, written: int, seconds: float, **extra) -> 
             "tok_s": tokens / seconds, "gb_s": written / seconds / 1e9, **extra}  # fmt: skip
 
 
-def run_compute(model, samples, layer_ids, args, device, name: str = "compute") -> dict:
+def run_compute(model, samples, layer_ids, args, device, name: str = "compute", padded: bool = False) -> dict:
     holder: dict = {}
     sync_device(device)
     started = time.perf_counter()
-    with extractor_of(model, layer_ids, args.token_budget, device, args.in_flight, holder) as extract:
+    with extractor_of(model, layer_ids, args.token_budget, device, args.in_flight, holder, padded=padded) as extract:
         tokens = sum(states.shape[0] for _, states in extract(samples))
     sync_device(device)
     seconds = time.perf_counter() - started
@@ -261,7 +267,7 @@ def profile_batch(model, samples, layer_ids, args, device, decoder_params: int, 
             else "elementwise/norm/other"
         )  # fmt: skip
         kinds[kind] = kinds.get(kind, 0.0) + time_us / 1e6
-    padded = len(batch) * max(len(s.token_ids) for s in batch)
+    padded = holder["extractor"].timings["padded_tokens"] // 2  # the warm-up run's and the profiled run's
     matmul_flops = 2 * (decoder_params - embed_params) * padded
     total = sum(kinds.values())
     return {
@@ -293,7 +299,7 @@ def run_baseline(model, samples, layer_ids, device, directory: Path) -> dict:
 
 
 def run_backend(name, model, samples, layer_ids, args, device, directory: Path, token_budget: int | None = None,
-                shard: int = 0, marks: dict | None = None, storage: str = "full") -> dict:
+                shard: int = 0, marks: dict | None = None, storage: str = "full", padded: bool = False) -> dict:
     """``run_shard`` over ``samples`` into ``directory/shard-{shard}``, then ``os.sync()``;
     ``marks["written"]``: wall-clock time when run_shard returned (every file fsynced), before the sync."""
     token_budget = token_budget or args.token_budget
@@ -304,14 +310,16 @@ def run_backend(name, model, samples, layer_ids, args, device, directory: Path, 
     started = time.perf_counter()
     records = run_shard(
         samples, shard, directory / f"shard-{shard}", directory / f"shard-{shard}.heartbeat.json", settings,
-        lambda: extractor_of(model, layer_ids, token_budget, device, args.in_flight, holder, storage), writers=args.writers,
+        lambda: extractor_of(model, layer_ids, token_budget, device, args.in_flight, holder, storage, padded), writers=args.writers,
     )  # fmt: skip
     if marks is not None:
         marks["written"] = time.time()
     os.sync()
     seconds = time.perf_counter() - started
     tokens, written = sum(r.tokens for r in records), sum(r.bytes for r in records)
-    return result_of(name, tokens, written, seconds, timings=holder["extractor"].timings, writers=args.writers, token_budget=token_budget)
+    timings = holder["extractor"].timings
+    return result_of(name, tokens, written, seconds, timings=timings, writers=args.writers, token_budget=token_budget,
+                     storage=storage, padding_fraction=1 - timings["tokens"] / timings["padded_tokens"])  # fmt: skip
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -370,13 +378,13 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--samples", type=int, default=128, help="at most this many samples (fewer when the disk is slow, see --run-seconds)")
+    parser.add_argument("--samples", type=int, default=512, help="at most this many samples (fewer when the disk is slow, see --run-seconds)")
+    parser.add_argument("--baseline-samples", type=int, default=128, help="the simplest loop runs over the first this many")
     parser.add_argument("--mean-tokens", type=int, default=2000)
     parser.add_argument("--token-budget", type=int, default=32768, help="extract.token_budget (the schema's default)")
-    parser.add_argument("--token-budget-sweep", default="8192,16384", help="also run the compiled backend at these token budgets")
     parser.add_argument("--in-flight", type=int, default=2)
     parser.add_argument("--writers", type=int, default=8, help="run_shard's writer threads, extract.write_threads (and the disk test)")
-    parser.add_argument("--run-seconds", type=float, default=25.0, help="size the runs so that one disk-bound run takes about this long")
+    parser.add_argument("--run-seconds", type=float, default=40.0, help="size the runs so that one disk-bound run takes about this long")
     parser.add_argument("--disk-gb", type=float, default=3.0, help="bytes per disk-bandwidth measurement")
     parser.add_argument("--scratch", type=Path, default=REPO / ".bench-scratch")
     parser.add_argument("--keep", action="store_true", help="keep the backend run's files (train_bench.py reads them)")
@@ -425,7 +433,8 @@ def main() -> None:
         tokens += len(sample.token_ids)
     report["samples"] = length_stats(samples)
     log(f"samples: {report['samples']}")
-    needed = 2.2 * tokens * bytes_per_token
+    baseline_samples = samples[: args.baseline_samples]
+    needed = 1.1 * (tokens + sum(len(s.token_ids) for s in baseline_samples)) * bytes_per_token
     if shutil.disk_usage(args.scratch).free < needed:
         raise SystemExit(f"scratch disk has {shutil.disk_usage(args.scratch).free / 1e9:.1f} GB free, needs {needed / 1e9:.1f}")
 
@@ -474,7 +483,7 @@ def main() -> None:
         log(f"write only ({r['name']}): {r['tok_s']:,.0f} tok/s, {r['gb_s']:.3f} GB/s")
     save()
 
-    runs["baseline"] = run_baseline(model, samples, layer_ids, device, args.scratch / "baseline")
+    runs["baseline"] = run_baseline(model, baseline_samples, layer_ids, device, args.scratch / "baseline")
     log(f"baseline: {runs['baseline']['tok_s']:,.0f} tok/s, {runs['baseline']['gb_s']:.3f} GB/s")
     save()
     runs["backend_eager"] = run_backend("backend_eager", model, samples, layer_ids, args, device, args.scratch / "backend_eager")
@@ -496,16 +505,17 @@ def main() -> None:
         report["compute_profile_compiled"] = {"error": repr(error)}
     runs["compute_compiled"] = run_compute(model, samples, layer_ids, args, device, name="compute_compiled")
     log(f"compute only, compiled: {runs['compute_compiled']['tok_s']:,.0f} tok/s {runs['compute_compiled']['timings']}")
+    # fp8 and padded first: the default run's files stay for the correctness check (and --keep)
+    run_compute(model, warm, layer_ids, args, device, padded=True)  # compiles the padded rows' graph, untimed
+    for name, options in {"backend_fp8": {"storage": "fp8"}, "backend_padded": {"padded": True}}.items():
+        runs[name] = run_backend(name, model, samples, layer_ids, args, device, args.scratch / name, **options)
+        log(f"{name}: {runs[name]['tok_s']:,.0f} tok/s, padding {runs[name]['padding_fraction']:.1%} {runs[name]['timings']}")
+        shutil.rmtree(args.scratch / name)
+        save()
     runs["backend"] = run_backend("backend", model, samples, layer_ids, args, device, args.scratch / "backend")
     log(f"backend (the workflow's GPU path): {runs['backend']['tok_s']:,.0f} tok/s, {runs['backend']['gb_s']:.3f} GB/s {runs['backend']['timings']}")
     save()
-    for budget in [int(b) for b in args.token_budget_sweep.split(",") if b and int(b) != args.token_budget]:
-        name = f"backend_token_budget_{budget}"
-        runs[name] = run_backend(name, model, samples, layer_ids, args, device, args.scratch / name, budget)
-        log(f"backend, token budget {budget}: {runs[name]['tok_s']:,.0f} tok/s {runs[name]['timings']}")
-        shutil.rmtree(args.scratch / name)
-        save()
-    ordered = sorted(samples, key=lambda s: len(s.token_ids))
+    ordered = sorted(baseline_samples, key=lambda s: len(s.token_ids))
     checks = [ordered[0], ordered[len(ordered) // 2], ordered[-1]]
     report["correctness"] = compare_files(args.scratch / "backend/shard-0", args.scratch / "baseline", checks, len(layer_ids) - 1)
     log(f"correctness (backend vs batch-of-one baseline): {report['correctness']}")
@@ -524,6 +534,12 @@ def main() -> None:
         "extract_baseline_tok_s": runs["baseline"]["tok_s"],
         "extract_backend_tok_s": runs["backend"]["tok_s"],
         "extract_backend_eager_tok_s": runs["backend_eager"]["tok_s"],
+        "extract_fp8_tok_s": runs["backend_fp8"]["tok_s"],
+        "extract_padded_tok_s": runs["backend_padded"]["tok_s"],
+        "extract_padding_fraction": runs["backend"]["padding_fraction"],
+        "extract_padded_padding_fraction": runs["backend_padded"]["padding_fraction"],
+        "backend_over_compute_alone": runs["backend"]["tok_s"] / runs["compute_compiled"]["tok_s"],
+        "backend_eager_over_compute_alone": runs["backend_eager"]["tok_s"] / runs["compute"]["tok_s"],
         "backend_over_baseline": runs["backend"]["tok_s"] / runs["baseline"]["tok_s"],
     }
     if "roofline" in report:

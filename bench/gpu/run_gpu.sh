@@ -4,6 +4,9 @@
 #
 #   bash bench/gpu/run_gpu.sh extract            # extraction (about 3 minutes on an H200, plus the install)
 #   bash bench/gpu/run_gpu.sh train              # training (about 4 minutes)
+#   bash bench/gpu/run_gpu.sh compile            # packed batches against each sample alone (bench/gpu/packed_check.py), then
+#                                                #   compiled against eager against fp32 on trained weights (about 6 minutes;
+#                                                #   bench/gpu/compile_check.py trains a 1B-shape Llama for 200 s)
 #   bash bench/gpu/run_gpu.sh fp8                # extract.storage fp8 against bf16 (about 3 minutes; bench/gpu/fp8_bench.py)
 #   bash bench/gpu/run_gpu.sh fp8-train          # the Trainer on bf16 files, then on fp8 files (about 8 minutes)
 #   bash bench/gpu/run_gpu.sh workflow           # the demo workflow on the GPU (about 6 minutes; bench/gpu/workflow_gpu.sh)
@@ -73,6 +76,10 @@ for part in "${parts[@]}"; do
         args=(--shape 8b --out "$OUT" --trainer-steps 20 --loop-steps 6 --warmup 3)
         [ -f .bench-scratch/samples.json ] && args+=(--hs-dir .bench-scratch/backend/shard-0)
         timeout "$(left ${TRAIN_TIMEOUT:-360})" python3 bench/gpu/train_bench.py "${args[@]}" 2>&1 | tee "$OUT/train.log" || status=1
+        ;;
+    compile)
+        timeout "$(left 120)" python3 bench/gpu/packed_check.py --out "$OUT" 2>&1 | tee "$OUT/packed.log" || status=1
+        timeout "$(left ${COMPILE_TIMEOUT:-420})" python3 bench/gpu/compile_check.py --out "$OUT" 2>&1 | tee "$OUT/compile.log" || status=1
         ;;
     fp8)
         timeout "$(left ${FP8_TIMEOUT:-300})" python3 bench/gpu/fp8_bench.py --shape 8b --out "$OUT" 2>&1 | tee "$OUT/fp8.log" || status=1

@@ -3,20 +3,23 @@
 On a GPU the extractor is a pipeline, so the card never waits for the disk
 and the disk never waits for the card:
 
-- samples are sorted by length and batched by ``token_budget`` padded tokens;
-- rows are right-padded and run without an attention mask: under causal
-  attention a real position never sees the padding after it, so its states
-  are exactly those of the unpadded sample, and the fast causal kernel runs;
+- samples are sorted by length and batched by ``token_budget`` tokens;
+- a batch is one row of its samples packed end to end, each attending only to
+  itself (``packed_attention``): no work is spent on padding. A decoder whose
+  layers attend otherwise (sliding windows, chunks, sinks) gets right-padded
+  rows instead, run without an attention mask: under causal attention a real
+  position never sees the padding after it, so its states are exactly those
+  of the unpadded sample;
 - only the decoder runs (no lm_head, no logits); forward hooks keep the
-  chosen layers, stacked on the GPU into ``[batch, seq, n_layer_ids, hidden]``;
+  chosen layers, stacked on the GPU into ``[tokens, n_layer_ids, hidden]``
+  (padded: ``[batch, seq, n_layer_ids, hidden]``);
 - that block is copied to pinned host memory on a side stream
   (asynchronous device-to-host copy) while the next batch is already queued
   on the compute stream: ``in_flight`` batches are launched ahead of the one
   whose samples are being handed out, and the consumer (``run_shard``
-  writing files) works on batch i while the GPU computes batch i+1
-  (transformers synchronizes with the GPU at the start of each forward, a
-  packed-sequence check, so a launch waits for the batch before it; the
-  overlap of GPU work with the consumer's writes is what this buys);
+  writing files) works on batch i while the GPU computes batch i+1 (packed
+  batches build no mask, so a launch does not wait for the GPU; padded ones
+  do: transformers looks for packed sequences at the start of each forward);
 - with ``compile_layers`` each decoder layer's body is compiled
   (``torch.compile``, dynamic shapes: one graph serves every batch shape and
   every layer), which fuses the norms, rotary embedding and activation
@@ -28,7 +31,8 @@ and the disk never waits for the card:
 
 ``TransformersExtractor.timings`` says where the wall time went: seconds the
 generator waited for the GPU (forward + copy), seconds the consumer held
-control (writing files), and seconds spent launching batches.
+control (writing files), and seconds spent launching batches; ``tokens`` and
+``padded_tokens`` give the padding's share.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from collections.abc import Iterator
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+from draftflow.extract import packed_attention
 from draftflow.extract.hidden_states import Fp8States, to_storage
 from draftflow.extract.layout import Sample
 from draftflow.target_model import read_target_model
@@ -48,16 +53,19 @@ from draftflow.target_model import read_target_model
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def batches_by_token_budget(samples: list[Sample], token_budget: int) -> Iterator[list[Sample]]:
-    """Length-sorted batches whose padded size stays within ``token_budget``."""
+def batches_by_token_budget(samples: list[Sample], token_budget: int, packed: bool = True) -> Iterator[list[Sample]]:
+    """Length-sorted batches of at most ``token_budget`` tokens (padded: rows x the longest)."""
     ordered = sorted(samples, key=lambda s: len(s.token_ids), reverse=True)
     batch: list[Sample] = []
+    tokens = 0
     for sample in ordered:
-        longest = len(batch[0].token_ids) if batch else len(sample.token_ids)
-        if batch and (len(batch) + 1) * longest > token_budget:
+        length = len(sample.token_ids)
+        grown = tokens + length if packed else (len(batch) + 1) * (len(batch[0].token_ids) if batch else length)
+        if batch and grown > token_budget:
             yield batch
-            batch = []
+            batch, grown = [], length
         batch.append(sample)
+        tokens = grown
     if batch:
         yield batch
 
@@ -99,16 +107,16 @@ class LayerCapture:
 class _Launched:
     """A batch whose forward pass (and, on a GPU, its copy to the host) is queued."""
 
-    __slots__ = ("batch", "lengths", "states", "copied")
+    __slots__ = ("batch", "places", "states", "copied")
 
-    def __init__(self, batch: list[Sample], lengths: list[int], states: list[torch.Tensor], copied):
+    def __init__(self, batch: list[Sample], places: list[tuple], states: list[torch.Tensor], copied):
         self.batch = batch
-        self.lengths = lengths
+        self.places = places  # each sample's index into the batch's states
         self.states = states  # [states] or fp8 [values, scales]; on the host once ``copied`` has completed
         self.copied = copied  # a CUDA event, or None on the CPU
 
     def row(self, row: int) -> torch.Tensor | Fp8States:
-        views = [tensor[row, : self.lengths[row]] for tensor in self.states]
+        views = [tensor[self.places[row]] for tensor in self.states]
         return Fp8States(*views) if len(views) == 2 else views[0]
 
 
@@ -136,6 +144,10 @@ class TransformersExtractor:
     ):
         self.decoder = text_decoder(model)
         self.head = model.get_output_embeddings()
+        # None when the samples of a batch run packed; else why they run padded
+        self.packing_refusal = packed_attention.packing_refusal(self.decoder.config)
+        if self.packing_refusal is None:
+            packed_attention.use_packed_attention(self.decoder.config)
         self.storage = storage  # fp8: quantized where the states are, before the copy to the host
         self.capture = LayerCapture(self.decoder, layer_ids)
         self.token_budget = token_budget
@@ -143,25 +155,49 @@ class TransformersExtractor:
         self.on_gpu = self.device.type == "cuda"
         self.in_flight = max(1, in_flight) if self.on_gpu else 1  # on a CPU nothing overlaps
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
-        self.timings = {"launch_s": 0.0, "wait_gpu_s": 0.0, "consumer_s": 0.0, "batches": 0, "padded_tokens": 0}
+        self.timings = {"launch_s": 0.0, "wait_gpu_s": 0.0, "consumer_s": 0.0, "batches": 0, "tokens": 0, "padded_tokens": 0}
 
-    def _launch(self, batch: list[Sample]) -> _Launched:
-        lengths = [len(s.token_ids) for s in batch]
+    @property
+    def packed(self) -> bool:
+        return self.packing_refusal is None
+
+    def _forward_packed(self, batch: list[Sample], lengths: list[int]) -> tuple[torch.Tensor, list[tuple]]:
+        """States [tokens, n_layer_ids, hidden] of the batch's samples end to end."""
+        input_ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long)[None]
+        positions = packed_attention.position_ids(lengths)
+        if self.on_gpu:
+            input_ids, positions = input_ids.pin_memory(), positions.pin_memory()
+        self.decoder(
+            input_ids=input_ids.to(self.device, non_blocking=True),
+            position_ids=positions.to(self.device, non_blocking=True),
+            use_cache=False,
+            **packed_attention.packed_keywords(lengths, self.device),
+        )
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        return self.capture.stacked()[0], [(slice(end - n, end),) for end, n in zip(ends, lengths, strict=True)]
+
+    def _forward_padded(self, batch: list[Sample], lengths: list[int]) -> tuple[torch.Tensor, list[tuple]]:
+        """States [batch, longest, n_layer_ids, hidden], each sample right-padded."""
         input_ids = torch.zeros(len(batch), max(lengths), dtype=torch.long, pin_memory=self.on_gpu)
         for row, sample in enumerate(batch):
             input_ids[row, : lengths[row]] = torch.as_tensor(sample.token_ids, dtype=torch.long)
         # Right padding, causal attention and no mask: real positions never attend to
         # the padding after them, so their states equal those of the unpadded sample.
         self.decoder(input_ids=input_ids.to(self.device, non_blocking=True), use_cache=False)
-        states = self.capture.stacked()
+        return self.capture.stacked(), [(row, slice(0, n)) for row, n in enumerate(lengths)]
+
+    def _launch(self, batch: list[Sample]) -> _Launched:
+        lengths = [len(s.token_ids) for s in batch]
+        states, places = (self._forward_packed if self.packed else self._forward_padded)(batch, lengths)
         self.timings["batches"] += 1
-        self.timings["padded_tokens"] += states.shape[0] * states.shape[1]
+        self.timings["tokens"] += sum(lengths)
+        self.timings["padded_tokens"] += states.shape[:-2].numel()
         parts = [states]
         if self.storage == "fp8":
-            stored = to_storage(states.flatten(0, 1), "fp8")  # one scale per token, over its layers
-            parts = [stored.values.view(states.shape), stored.scales.view(*states.shape[:2], 1, 1)]
+            stored = to_storage(states.flatten(0, -3), "fp8")  # one scale per token, over its layers
+            parts = [stored.values.view(states.shape), stored.scales.view(*states.shape[:-2], 1, 1)]
         if not self.on_gpu:
-            return _Launched(batch, lengths, parts, None)
+            return _Launched(batch, places, parts, None)
         hosts = [torch.empty(part.shape, dtype=part.dtype, pin_memory=True) for part in parts]
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
@@ -171,11 +207,11 @@ class TransformersExtractor:
             copied.record(self.copy_stream)
         for part in parts:
             part.record_stream(self.copy_stream)  # the allocator keeps it until the copy is done
-        return _Launched(batch, lengths, hosts, copied)
+        return _Launched(batch, places, hosts, copied)
 
     @torch.inference_mode()
     def __call__(self, samples: list[Sample]) -> Iterator[tuple[Sample, torch.Tensor | Fp8States]]:
-        batches = batches_by_token_budget(samples, self.token_budget)
+        batches = batches_by_token_budget(samples, self.token_budget, self.packed)
         launched: deque[_Launched] = deque()
         timings = self.timings
         while True:
@@ -204,6 +240,12 @@ class TransformersExtractor:
         last = states[:, -1].to(self.device, self.head.weight.dtype)
         return self.head(self.decoder.norm(last)).argmax(-1).tolist()
 
+    def close(self) -> None:
+        """Remove the hooks and give the decoder back its SDPA attention."""
+        self.capture.remove()
+        if self.packed:
+            packed_attention.use_sdpa(self.decoder.config)
+
 
 def compile_decoder_layers(decoder: torch.nn.Module) -> None:
     """Compile each layer's ``forward``, not the module: forward hooks run around it, uncompiled."""
@@ -220,16 +262,22 @@ def transformers_extractor(
     device: str,
     token_budget: int,
     trust_remote_code: bool = False,
-    compile_layers: bool = False,
+    compile_layers: bool | None = None,
     storage: str = "full",
 ) -> Iterator[TransformersExtractor]:
+    """``compile_layers`` None compiles on CUDA only: there compiled states were as close to
+    float32 as eager ones on trained weights, and faster; on a CPU compiling costs more than it saves."""
     model = load_target(model_path, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code)
     model.to(device).eval()
+    if compile_layers is None:
+        compile_layers = torch.device(device).type == "cuda"
     if compile_layers:
         compile_decoder_layers(text_decoder(model))
+    extractor = TransformersExtractor(model, layer_ids, token_budget, device, storage=storage)
     try:
-        yield TransformersExtractor(model, layer_ids, token_budget, device, storage=storage)
+        yield extractor
     finally:
-        del model
+        extractor.close()
+        del model, extractor
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
