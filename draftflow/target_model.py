@@ -5,7 +5,8 @@ config.json (``text_config``, as transformers' ``get_text_config`` finds it)
 and its weights under a prefix (``language_model.model.norm.weight``); a
 model with tied embeddings has no lm_head weight of its own. Only
 config.json, generation_config.json and the safetensors headers are read (no
-torch, no transformers), so the Snakefile and the progress check use it too.
+torch, no transformers), so the Snakefile and the progress check use it too;
+``final_norm_offset`` alone asks transformers, importing it when called.
 """
 
 from __future__ import annotations
@@ -157,6 +158,13 @@ class TargetModel:
             _ = self.head_weights  # raises naming the file and what to do
 
     @cached_property
+    def final_norm_offset(self) -> float:
+        """What the text model's final norm adds to its weight before scaling: 1.0 for
+        Gemma-style norms (``1 + weight``), else 0.0. Where the workflow applies the
+        target's norm weight itself, it scales by norm weight + this."""
+        return transformers_final_norm_offset(self.folder)
+
+    @cached_property
     def head_weights(self) -> HeadWeights:
         files = weight_files(self.folder)
         prefix = decoder_prefix(files, self.folder)
@@ -245,3 +253,26 @@ def lm_head_candidates(prefix: str) -> list[str]:
     """Beside the decoder (``language_model.lm_head.weight`` for ``language_model.model.``), or at the top."""
     parent = prefix.removesuffix(".").rpartition(".")[0]
     return [f"{parent}.{LM_HEAD}", LM_HEAD] if parent else [LM_HEAD]
+
+
+def transformers_final_norm_offset(folder: Path) -> float:
+    """Asks transformers: its final norm for the target's text model, given a zero
+    weight, applied to ones, gives the offset (Gemma-3 and Qwen3-Next scale by 1 + weight)."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    text_config = AutoConfig.from_pretrained(folder).get_text_config()
+    with torch.device("meta"):  # no weights are made, however large the model
+        decoder = AutoModel.from_config(text_config)
+    norm = decoder.get_submodule(FINAL_NORM.removesuffix(".weight")).to_empty(device="cpu")
+    with torch.no_grad():
+        for parameter in norm.parameters():
+            parameter.zero_()
+        scale = norm(torch.ones(1, text_config.hidden_size, dtype=norm.weight.dtype)).float()
+    for offset in (0.0, 1.0):
+        if torch.allclose(scale, torch.full_like(scale, offset), atol=1e-3):
+            return offset
+    raise TargetModelError(
+        f"{folder / 'config.json'}: transformers' final norm for this model ({type(norm).__name__}) "
+        f"scales by neither its weight nor 1 + weight (with a zero weight ones became {scale.flatten()[:4].tolist()})"
+    )

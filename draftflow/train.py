@@ -32,6 +32,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from draftflow import trainer_launch
 from draftflow.io import atomic_path, write_json
+from draftflow.target_model import read_target_model
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,18 @@ def load_drafter(path: Path, attention: str, dtype=torch.float32) -> Eagle3Draft
     config.transformer_layer_config._attn_implementation = attention  # noqa: SLF001
     model = Eagle3DraftModel.from_pretrained(str(path), config=config)
     model.load_verifier_weights()
+    match_target_final_norm(model)
     return model.to(dtype)
+
+
+def match_target_final_norm(model: Eagle3DraftModel) -> None:
+    """speculators' ``verifier_norm`` scales by its weight alone and loads the target's
+    norm weight into it; a target whose norm scales by 1 + weight (Gemma-3, whose
+    weight starts at 0) would then give training targets of all-zero logits. Call it
+    after the last load_verifier_weights(), which reloads the weight."""
+    target = read_target_model(model.config.speculators_config.verifier.name_or_path)
+    with torch.no_grad():
+        model.verifier_norm.weight += target.final_norm_offset
 
 
 def data_loader(view_dir: Path, settings: TrainSettings, num_aux: int, hidden_size: int, epoch: int) -> DataLoader:

@@ -3,7 +3,8 @@
 Run by ``draftflow.train.train_with_trainer`` under torchrun as
 ``-m draftflow.trainer_launch METRICS_JSONL <speculators train flags>``. Rank 0
 appends the Trainer's per-step metric records to METRICS_JSONL; every rank
-appends its peak GPU memory at the end.
+appends its peak GPU memory at the end. The drafter it builds gets the target's
+final-norm offset, as ``draftflow.train.load_drafter``'s does.
 """
 
 import json
@@ -38,12 +39,7 @@ def append_json_line(path: str, entry: dict) -> None:
         stream.write(json.dumps(entry) + "\n")
 
 
-def main() -> None:
-    import speculators.train.cli as cli
-    import torch
-    from speculators.train.config import TrainConfig
-
-    metrics_path, rank = sys.argv[1], int(os.environ.get("RANK", "0"))
+def keep_step_records(cli, metrics_path: str, rank: int) -> None:
     setup_metric_logger = cli.setup_metric_logger
 
     def setup_and_keep_steps(*args, **kwargs):
@@ -52,6 +48,31 @@ def main() -> None:
             logging.getLogger("speculators.metrics").addHandler(StepRecords(metrics_path))
 
     cli.setup_metric_logger = setup_and_keep_steps
+
+
+def match_target_final_norm_on_build(cli) -> None:
+    """The drafter the Trainer trains, with its verifier_norm scaling as the target's
+    final norm does (see ``draftflow.train.match_target_final_norm``)."""
+    from draftflow.train import match_target_final_norm
+
+    build_draft_model = cli.build_draft_model
+
+    def build_and_match(*args, **kwargs):
+        model = build_draft_model(*args, **kwargs)
+        match_target_final_norm(model)
+        return model
+
+    cli.build_draft_model = build_and_match
+
+
+def main() -> None:
+    import speculators.train.cli as cli
+    import torch
+    from speculators.train.config import TrainConfig
+
+    metrics_path, rank = sys.argv[1], int(os.environ.get("RANK", "0"))
+    keep_step_records(cli, metrics_path, rank)
+    match_target_final_norm_on_build(cli)
     cli.main(TrainConfig.resolve(sys.argv[2:]))
     if torch.cuda.is_available():
         append_json_line(metrics_path, {"rank": rank, "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30})

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import Gemma3Config, Gemma3TextConfig, LlamaConfig, Qwen3NextConfig
 
 from draftflow.target_model import TargetModelError, read_target_model
 from tests.conftest import snakemake
@@ -82,6 +83,19 @@ def test_sections_nested_deeper_and_sharded_weights(tmp_path):
     assert resolved.section == ("language_model", "text_config") and resolved.num_layers == 4
     assert resolved.head_weights.lm_head == "lm_head.weight"
     assert resolved.head_weights.files["model.language_model.norm.weight"] == "b.safetensors"
+
+
+def test_transformers_says_which_final_norms_scale_by_one_plus_weight(tmp_path):
+    """Llama's norm scales by its weight, Gemma-3's and Qwen3-Next's by 1 + weight, also
+    under a multimodal config's text_config; config.json alone is read."""
+    tiny = {"num_hidden_layers": 1, "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 4, "vocab_size": 32}  # fmt: skip
+    offsets = {}
+    for config in (LlamaConfig(**tiny), Gemma3TextConfig(**tiny), Gemma3Config(text_config=tiny),
+                   Qwen3NextConfig(**tiny, linear_num_key_heads=1, linear_num_value_heads=1)):  # fmt: skip
+        config.save_pretrained(tmp_path / config.model_type)
+        offsets[config.model_type] = read_target_model(tmp_path / config.model_type).final_norm_offset
+    assert offsets == {"llama": 0.0, "gemma3_text": 1.0, "gemma3": 1.0, "qwen3_next": 1.0}
 
 
 def test_what_is_missing_is_named_with_its_file(tmp_path):
