@@ -7,6 +7,7 @@
 #   bash bench/gpu/run_gpu.sh compile            # packed batches against each sample alone (bench/gpu/packed_check.py), then
 #                                                #   compiled against eager against fp32 on trained weights (about 6 minutes;
 #                                                #   bench/gpu/compile_check.py trains a 1B-shape Llama for 200 s)
+#   bash bench/gpu/run_gpu.sh in-flight          # the default extraction at in_flight 2 and 3 (about 3 minutes; bench/gpu/in_flight_sweep.py)
 #   bash bench/gpu/run_gpu.sh fp8                # extract.storage fp8 against bf16 (about 3 minutes; bench/gpu/fp8_bench.py)
 #   bash bench/gpu/run_gpu.sh fp8-train          # the Trainer on bf16 files, then on fp8 files (about 8 minutes)
 #   bash bench/gpu/run_gpu.sh workflow           # the demo workflow on the GPU (about 6 minutes; bench/gpu/workflow_gpu.sh)
@@ -80,6 +81,9 @@ for part in "${parts[@]}"; do
     compile)
         timeout "$(left 120)" python3 bench/gpu/packed_check.py --out "$OUT" 2>&1 | tee "$OUT/packed.log" || status=1
         timeout "$(left ${COMPILE_TIMEOUT:-420})" python3 bench/gpu/compile_check.py --out "$OUT" 2>&1 | tee "$OUT/compile.log" || status=1
+        ;;
+    in-flight)
+        timeout "$(left 400)" python3 bench/gpu/in_flight_sweep.py --depths 2,3 --out "$OUT" 2>&1 | tee "$OUT/in-flight.log" || status=1
         ;;
     fp8)
         timeout "$(left ${FP8_TIMEOUT:-300})" python3 bench/gpu/fp8_bench.py --shape 8b --out "$OUT" 2>&1 | tee "$OUT/fp8.log" || status=1
