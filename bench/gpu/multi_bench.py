@@ -8,7 +8,8 @@ Llama of the chosen shape, bf16, decoder layers compiled like
 ``extract.compile: true``), warms up, and then runs, when all jobs are ready
 (a start file), first the extractor alone over its shard (no files), then
 ``draftflow.extract.shards.run_shard`` over it (files hashed, fsynced, renamed,
-journaled; ``os.sync()`` at the end), and with ``--tmpfs`` the same into a
+journaled; ``os.sync()`` at the end), then the same in ``extract.storage: fp8``
+(``backend_fp8``: half the bytes), and with ``--tmpfs`` the same into a
 folder in memory (no disk: what is left is the GPU and the CPU side). The
 warm-up includes one untimed pass of the extractor over the job's samples
 (the pinned host buffers of every batch shape get cached, as a few batches
@@ -17,7 +18,10 @@ into a real shard). Shards are the workflow's own
 the last job's end; tokens/s = all the samples' tokens over it. The same is
 run with one job over all the samples (``--gpus 1,2``). The disk's synced
 write bandwidth is measured with 8 threads (one job's writers) and 16 (two
-jobs').
+jobs'). The lower roofline of the host in each storage is the lower of the
+jobs' compute rooflines added up (2 x decoder parameters FLOPs per token at
+each GPU's measured matrix rate) and the disk's synced bandwidth over that
+storage's bytes per token (``draftflow.extract.layout.hidden_state_bytes``).
 
 ``train``: ``draftflow.train.train_with_trainer`` (what the ``train`` rule
 runs on CUDA: torchrun with ``--nproc_per_node=train.gpus`` and
@@ -51,15 +55,16 @@ sys.path[:0] = [str(REPO), str(HERE)]
 
 from extract_bench import SHAPES, disk_write, length_stats, log, make_samples  # noqa: E402
 
-from draftflow.extract.layout import shard_samples  # noqa: E402
+from draftflow.extract.layout import hidden_state_bytes, shard_samples  # noqa: E402
 from draftflow.gpus import claim_gpus, device_source, default_lock_dir  # noqa: E402
 from draftflow.layers import resolve_layer_ids  # noqa: E402
 
 
 
 def phases(args) -> list[str]:
-    """compute: the extractor alone; backend: run_shard to the scratch disk; backend_tmpfs: to --tmpfs (memory)."""
-    return ["compute", "backend"] + (["backend_tmpfs"] if args.tmpfs else [])
+    """compute: the extractor alone; backend: run_shard to the scratch disk (bf16); backend_fp8: the same
+    in fp8 storage; backend_tmpfs: to --tmpfs (memory)."""
+    return ["compute", "backend", "backend_fp8"] + (["backend_tmpfs"] if args.tmpfs else [])
 
 
 def now() -> float:
@@ -109,6 +114,7 @@ def extract_worker(args) -> None:
         started = now()
         model = build_model(args.shape, device, getattr(torch, args.dtype))
         sync_device(device)
+        result["decoder_parameters"] = sum(p.numel() for p in model.get_decoder().parameters())
         result["build_seconds"] = round(now() - started, 1)
         if device.type == "cuda":
             result["matmul"] = matmul_tflops(device)
@@ -132,8 +138,12 @@ def extract_worker(args) -> None:
             if phase == "compute":
                 run = run_compute(model, mine, layer_ids, args, device)
             else:
-                folder = (args.scratch if phase == "backend" else args.tmpfs) / f"part-{args.part}"
-                run = run_backend(phase, model, mine, layer_ids, args, device, folder, shard=args.part, marks=marks)
+                storage = "fp8" if phase == "backend_fp8" else "full"
+                folder = {"backend": args.scratch, "backend_fp8": args.scratch / "fp8", "backend_tmpfs": args.tmpfs}[phase]
+                run = run_backend(phase, model, mine, layer_ids, args, device, folder / f"part-{args.part}",
+                                  shard=args.part, marks=marks, storage=storage)  # fmt: skip
+                if storage == "fp8":  # the disk holds one storage's files at a time
+                    shutil.rmtree(folder / f"part-{args.part}")
             end = now()
             run.pop("timings", None)
             result[phase] = run | {"start": start, "end": end, "job_seconds": end - start, "job_tok_s": run["tokens"] / (end - start)}
@@ -200,7 +210,8 @@ def extract_main(args) -> None:
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     shape = SHAPES[args.shape]
     layer_ids = resolve_layer_ids(None, shape["num_hidden_layers"])
-    bytes_per_token = len(layer_ids) * shape["hidden_size"] * 2 + 8
+    per_file = lambda tokens, storage: hidden_state_bytes(tokens, len(layer_ids), shape["hidden_size"], args.dtype, storage)  # noqa: E731
+    bytes_per_token = {storage: per_file(1, storage) - per_file(0, storage) for storage in ("full", "fp8")}
     devices, source = device_source()
     section = report["extract"] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -221,7 +232,7 @@ def extract_main(args) -> None:
             log(f"no in-memory folder {args.tmpfs} ({error}): the backend_tmpfs phase is left out")
             args.tmpfs = None
     section["tmpfs"] = str(args.tmpfs) if args.tmpfs else None
-    file_bytes = args.mean_tokens * bytes_per_token
+    file_bytes = args.mean_tokens * bytes_per_token["full"]
     section["disk_before"] = [disk_write(scratch, file_bytes, int(args.disk_gb * 1e9), t) for t in (args.writers, 2 * args.writers)]
     for d in section["disk_before"]:
         log(f"disk: {d['threads']} threads, {d['gb_s']:.3f} GB/s synced")
@@ -265,6 +276,18 @@ def extract_main(args) -> None:
             "compute_2gpu_tok_s": two["compute"]["tok_s"],
             "compute_2gpu_over_1gpu": two["compute"]["tok_s"] / one["compute"]["tok_s"],
             "distinct_gpus": len({tuple(c) for c in two["claimed"]}) == 2,
+        }
+        disk_gb_s = max(d["gb_s"] for d in section["disk_before"])
+        compute_tok_s = sum(job["matmul"]["tflops"] * 1e12 / (2 * job["decoder_parameters"]) for job in two["jobs"] if "matmul" in job)
+        rooflines = {storage: min(compute_tok_s, disk_gb_s * 1e9 / per_token) for storage, per_token in bytes_per_token.items()}
+        section["summary"] |= {
+            "extract_2gpu_over_1gpu_fp8": two["backend_fp8"]["tok_s"] / one["backend_fp8"]["tok_s"],
+            "extract_1gpu_fp8_tok_s": one["backend_fp8"]["tok_s"],
+            "extract_2gpu_fp8_tok_s": two["backend_fp8"]["tok_s"],
+            "roofline_2gpu_compute_tok_s": compute_tok_s,
+            "roofline_2gpu_disk_tok_s": {storage: disk_gb_s * 1e9 / per_token for storage, per_token in bytes_per_token.items()},
+            "extract_2gpu_over_lower_roofline": two["backend_fp8"]["tok_s"] / rooflines["fp8"] if compute_tok_s else None,
+            "extract_2gpu_over_lower_roofline_bf16": two["backend"]["tok_s"] / rooflines["full"] if compute_tok_s else None,
         }
         if "backend_tmpfs" in one and "backend_tmpfs" in two:
             section["summary"] |= {
