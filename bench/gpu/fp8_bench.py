@@ -19,13 +19,10 @@ layer slot).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
 import statistics
 import time
-from pathlib import Path
 
 import extract_bench as bench
 import torch
@@ -37,36 +34,19 @@ from draftflow.extract.hidden_states import STORAGES
 from draftflow.extract import layout
 from draftflow.extract.layout import hidden_state_bytes
 from draftflow.extract.transformers_backend import compile_decoder_layers
-from draftflow.layers import resolve_layer_ids
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(bench.SHAPES), default="8b")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--samples", type=int, default=256)
-    parser.add_argument("--mean-tokens", type=int, default=2000)
-    parser.add_argument("--token-budget", type=int, default=32768)
-    parser.add_argument("--in-flight", type=int, default=2)
-    parser.add_argument("--writers", type=int, default=8)
+    parser = bench.sweep_parser(__doc__, "fp8", samples=256)
     parser.add_argument("--run-seconds", type=float, default=15.0, help="size the samples so that one bf16 disk-bound run takes about this long")
-    parser.add_argument("--disk-gb", type=float, default=3.0)
-    parser.add_argument("--scratch", type=Path, default=bench.REPO / ".bench-scratch/fp8")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", bench.REPO / "bench/results")))
     args = parser.parse_args()
-    args.dtype = "bfloat16"
-    device = torch.device(args.device)
-    shutil.rmtree(args.scratch, ignore_errors=True)
-    args.scratch.mkdir(parents=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    shape = bench.SHAPES[args.shape]
-    layer_ids = resolve_layer_ids(None, shape["num_hidden_layers"])
+    device, shape, layer_ids = bench.sweep_setup(args)
     per_token = {s: hidden_state_bytes(1, len(layer_ids), shape["hidden_size"], args.dtype, s) - hidden_state_bytes(
         0, len(layer_ids), shape["hidden_size"], args.dtype, s) for s in STORAGES}  # fmt: skip
     report: dict = {"machine": bench.machine_info(args.scratch, device), "shape": {"name": args.shape, **shape},
                     "layer_ids": layer_ids, "bytes_per_token": per_token, "writers": args.writers}  # fmt: skip
     save = lambda: (args.out / "fp8.json").write_text(json.dumps(report, indent=2))  # noqa: E731
     if device.type == "cuda":
-        report["matmul"] = bench.matmul_tflops(device)
+        report["matmul"] = bench.matmul_ceiling(device, sustain_seconds=10)
     disk = bench.disk_write(args.scratch, int(args.mean_tokens * per_token["full"]), int(args.disk_gb * 1e9), args.writers)
     report["disk"] = disk
     bench.log(f"disk: {disk['gb_s']:.3f} GB/s synced, {args.writers} threads")
@@ -120,7 +100,7 @@ def main() -> None:
         "roofline_disk_fp8_tok_s": disk["gb_s"] * 1e9 / per_token["fp8"],
     }  # fmt: skip
     if device.type == "cuda":
-        summary["roofline_compute_tok_s"] = report["matmul"]["tflops"] * 1e12 / (2 * decoder_params)
+        summary["roofline_compute_tok_s"] = report["matmul"]["sustained_tflops"] * 1e12 / (2 * decoder_params)
     report["summary"] = summary
     save()
     shutil.rmtree(args.scratch, ignore_errors=True)

@@ -7,38 +7,20 @@ the GPU busy while the consumer waits on its writers (issue 27).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
-from pathlib import Path
 
 import extract_bench as bench
 import torch
 
 from draftflow.extract.transformers_backend import compile_decoder_layers
-from draftflow.layers import resolve_layer_ids
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(bench.SHAPES), default="8b")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--samples", type=int, default=512)
-    parser.add_argument("--mean-tokens", type=int, default=2000)
-    parser.add_argument("--token-budget", type=int, default=32768)
-    parser.add_argument("--writers", type=int, default=8)
-    parser.add_argument("--depths", default="2,3,4")
-    parser.add_argument("--scratch", type=Path, default=bench.REPO / ".bench-scratch/in-flight")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", bench.REPO / "bench/results")))
+    parser = bench.sweep_parser(__doc__, "in-flight", samples=512)
+    parser.add_argument("--depths", default="2,3,4", help="the in_flight depths to run (--in-flight is not read)")
     args = parser.parse_args()
-    args.dtype = "bfloat16"
-    device = torch.device(args.device)
-    shutil.rmtree(args.scratch, ignore_errors=True)
-    args.scratch.mkdir(parents=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    shape = bench.SHAPES[args.shape]
-    layer_ids = resolve_layer_ids(None, shape["num_hidden_layers"])
+    device, shape, layer_ids = bench.sweep_setup(args)
     samples = bench.make_samples(args.samples, args.mean_tokens, shape["vocab_size"])
     report = {"samples": bench.length_stats(samples), "machine": bench.machine_info(args.scratch, device), "runs": {}}
     if device.type == "cuda":

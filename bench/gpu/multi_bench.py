@@ -89,7 +89,7 @@ def extract_worker(args) -> None:
     import torch
 
     from draftflow.extract.transformers_backend import compile_decoder_layers
-    from extract_bench import build_model, matmul_tflops, run_backend, run_compute, sync_device
+    from extract_bench import build_model, matmul_ceiling, run_backend, run_compute, sync_device
 
     sync = args.sync
     result: dict = {"part": args.part, "parts": args.parts, "pid": os.getpid()}
@@ -117,7 +117,7 @@ def extract_worker(args) -> None:
         result["decoder_parameters"] = sum(p.numel() for p in model.get_decoder().parameters())
         result["build_seconds"] = round(now() - started, 1)
         if device.type == "cuda":
-            result["matmul"] = matmul_tflops(device)
+            result["matmul"] = matmul_ceiling(device, sustain_seconds=10)
         started = now()
         if args.compile:
             compile_decoder_layers(model.get_decoder())
@@ -278,7 +278,7 @@ def extract_main(args) -> None:
             "distinct_gpus": len({tuple(c) for c in two["claimed"]}) == 2,
         }
         disk_gb_s = max(d["gb_s"] for d in section["disk_before"])
-        compute_tok_s = sum(job["matmul"]["tflops"] * 1e12 / (2 * job["decoder_parameters"]) for job in two["jobs"] if "matmul" in job)
+        compute_tok_s = sum(job["matmul"]["sustained_tflops"] * 1e12 / (2 * job["decoder_parameters"]) for job in two["jobs"] if "matmul" in job)
         rooflines = {storage: min(compute_tok_s, disk_gb_s * 1e9 / per_token) for storage, per_token in bytes_per_token.items()}
         section["summary"] |= {
             "extract_2gpu_over_1gpu_fp8": two["backend_fp8"]["tok_s"] / one["backend_fp8"]["tok_s"],

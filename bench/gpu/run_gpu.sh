@@ -8,6 +8,10 @@
 #                                                #   compiled against eager against fp32 on trained weights (about 6 minutes;
 #                                                #   bench/gpu/compile_check.py trains a 1B-shape Llama for 200 s)
 #   bash bench/gpu/run_gpu.sh in-flight          # the default extraction at in_flight 2 and 3 (about 3 minutes; bench/gpu/in_flight_sweep.py)
+#   bash bench/gpu/run_gpu.sh ceiling            # the matrix rate burst and sustained, the 8B layer's products (cuBLAS, cuBLASLt),
+#                                                #   a decoder's compile modes (about 4 minutes; bench/gpu/ceiling_probe.py)
+#   bash bench/gpu/run_gpu.sh consumer           # the default extraction's consumer: journal fsyncs, samples in flight
+#                                                #   (about 3 minutes; bench/gpu/consumer_sweep.py)
 #   bash bench/gpu/run_gpu.sh fp8                # extract.storage fp8 against bf16 (about 3 minutes; bench/gpu/fp8_bench.py)
 #   bash bench/gpu/run_gpu.sh fp8-train          # the Trainer on bf16 files, then on fp8 files (about 8 minutes)
 #   bash bench/gpu/run_gpu.sh workflow           # the demo workflow on the GPU (about 6 minutes; bench/gpu/workflow_gpu.sh)
@@ -84,6 +88,12 @@ for part in "${parts[@]}"; do
         ;;
     in-flight)
         timeout "$(left 400)" python3 bench/gpu/in_flight_sweep.py --depths 2,3 --out "$OUT" 2>&1 | tee "$OUT/in-flight.log" || status=1
+        ;;
+    ceiling)
+        timeout "$(left ${CEILING_TIMEOUT:-300})" python3 bench/gpu/ceiling_probe.py --out "$OUT" 2>&1 | tee "$OUT/ceiling.log" || status=1
+        ;;
+    consumer)
+        timeout "$(left ${CONSUMER_TIMEOUT:-300})" python3 bench/gpu/consumer_sweep.py --out "$OUT" 2>&1 | tee "$OUT/consumer.log" || status=1
         ;;
     fp8)
         timeout "$(left ${FP8_TIMEOUT:-300})" python3 bench/gpu/fp8_bench.py --shape 8b --out "$OUT" 2>&1 | tee "$OUT/fp8.log" || status=1

@@ -52,6 +52,7 @@ def load_loss_masks(dataset_dir: Path, count: int) -> list[list[int]]:
 
 
 Extractor = Callable[[list[Sample]], Iterator[tuple[Sample, torch.Tensor | Fp8States]]]
+PENDING_PER_WRITER = 2  # samples handed to the writers and not yet journaled, per writer thread
 
 
 class ShardJournal:
@@ -164,7 +165,7 @@ def run_shard(
     extractor computes the next ones (``writers=0``: each file is written and
     journaled before the next sample is asked for). This thread journals each
     record, in order, only after its file was written, fsynced and renamed; at
-    most ``2 * writers`` samples are in flight. When a write or the extractor fails,
+    most ``PENDING_PER_WRITER * writers`` samples are in flight. When a write or the extractor fails,
     the writes under way are finished and journaled first, so the files on disk
     are exactly those the journal lists.
     """
@@ -208,7 +209,7 @@ def run_shard(
             try:
                 for sample, hidden_states in extract(todo):
                     pending.append(pool.submit(write_stored, shard_dir, sample, hidden_states, settings.storage))
-                    while pending and (pending[0].done() or len(pending) >= 2 * writers):
+                    while pending and (pending[0].done() or len(pending) >= PENDING_PER_WRITER * writers):
                         finish(pending.popleft())
             except BaseException:
                 drain(pending)
