@@ -101,7 +101,7 @@ def decoder_modes(device, tokens: int, layers: int, reps: int) -> dict:
         "input_ids": torch.tensor([t for s in batch for t in s], device=device)[None],
         "position_ids": packed_attention.position_ids(lengths).to(device),
         "use_cache": False,
-        **packed_attention.packed_keywords(lengths, device),
+        **packed_attention.packed_keywords(packed_attention.sample_offsets(lengths), device),
     }
     # FLOPs the roofline counts per token: 2 x the layers' parameters (the embedding is a lookup)
     layer_params = sum(p.numel() for p in decoder.layers.parameters())

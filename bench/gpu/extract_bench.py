@@ -223,9 +223,8 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
 
 @contextmanager
 def extractor_of(model, layer_ids, token_budget, device, in_flight, holder: dict, storage: str = "full", padded=False):
-    extractor = TransformersExtractor(model, layer_ids, token_budget, str(device), in_flight, storage=storage)
-    if padded:  # right-padded rows, as a decoder that cannot pack gets them (for comparison)
-        extractor.packing_refusal = "padded for comparison"
+    # padded: right-padded rows, as a decoder that cannot pack gets them (for comparison)
+    extractor = TransformersExtractor(model, layer_ids, token_budget, str(device), in_flight, storage, padded_rows=padded)
     holder["extractor"] = extractor
     try:
         yield extractor

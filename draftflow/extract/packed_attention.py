@@ -19,6 +19,7 @@ the sample alone.
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import torch
 from transformers import AttentionInterface
@@ -61,12 +62,15 @@ def use_sdpa(config) -> None:
     config._attn_implementation = "sdpa"
 
 
-def packed_keywords(lengths: list[int], device: torch.device) -> dict:
+def sample_offsets(lengths: list[int]) -> list[int]:
+    """Where each sample of a packed row starts, and where the last one ends."""
+    return [0, *itertools.accumulate(lengths)]
+
+
+def packed_keywords(offsets: list[int], device: torch.device) -> dict:
     """The keywords a decoder's forward passes on to the attention of every layer."""
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0, out=offsets[1:])
-    offsets = offsets.to(device, non_blocking=True)
-    longest = max(lengths)
+    longest = max(end - start for start, end in itertools.pairwise(offsets))
+    offsets = torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
     return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
 
 

@@ -38,6 +38,7 @@ control (writing files), and seconds spent launching batches; ``tokens`` and
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -140,12 +141,15 @@ def text_decoder(model) -> torch.nn.Module:
 
 class TransformersExtractor:
     def __init__(
-        self, model, layer_ids: list[int], token_budget: int, device: str, in_flight: int = 2, storage: str = "full"
-    ):
+        self, model, layer_ids: list[int], token_budget: int, device: str, in_flight: int = 2, storage: str = "full",
+        padded_rows: bool = False,
+    ):  # fmt: skip
         self.decoder = text_decoder(model)
         self.head = model.get_output_embeddings()
         # None when the samples of a batch run packed; else why they run padded
-        self.packing_refusal = packed_attention.packing_refusal(self.decoder.config)
+        self.packing_refusal = (
+            "padded rows were asked for" if padded_rows else packed_attention.packing_refusal(self.decoder.config)
+        )
         if self.packing_refusal is None:
             packed_attention.use_packed_attention(self.decoder.config)
         self.storage = storage  # fp8: quantized where the states are, before the copy to the host
@@ -167,14 +171,14 @@ class TransformersExtractor:
         positions = packed_attention.position_ids(lengths)
         if self.on_gpu:
             input_ids, positions = input_ids.pin_memory(), positions.pin_memory()
+        offsets = packed_attention.sample_offsets(lengths)
         self.decoder(
             input_ids=input_ids.to(self.device, non_blocking=True),
             position_ids=positions.to(self.device, non_blocking=True),
             use_cache=False,
-            **packed_attention.packed_keywords(lengths, self.device),
+            **packed_attention.packed_keywords(offsets, self.device),
         )
-        ends = torch.tensor(lengths).cumsum(0).tolist()
-        return self.capture.stacked()[0], [(slice(end - n, end),) for end, n in zip(ends, lengths, strict=True)]
+        return self.capture.stacked()[0], [(slice(start, end),) for start, end in itertools.pairwise(offsets)]
 
     def _forward_padded(self, batch: list[Sample], lengths: list[int]) -> tuple[torch.Tensor, list[tuple]]:
         """States [batch, longest, n_layer_ids, hidden], each sample right-padded."""
