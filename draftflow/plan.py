@@ -47,7 +47,7 @@ from draftflow.costs import (
     vocab_map_bytes,
 )
 from draftflow.extract import layout
-from draftflow.extract.fidelity import decide_for_config
+from draftflow.extract.fidelity import decide_for_config, fidelity_job
 from draftflow.extract.layout import ExtractionSettings, Sample
 from draftflow.fingerprint import target_fingerprint
 from draftflow.gpus import local_gpu_count
@@ -337,7 +337,7 @@ def plan_stages(config: dict, target: TargetModel, num_layer_ids: int, work: dic
               gpu_seconds=servers * gpus * per_server, load_seconds=math.ceil(servers / at_once) * load * bool(extract_loads),
               reuse=(work["extracted_before"], work["to_extract"])),
         stage("extract", 1, 0, 0, 0, measured("extract")),
-        stage("fidelity", 1, gpus if fidelity else 0, 2 if fidelity else 0, 0, measured("fidelity") if fidelity else 0.0),
+        stage("fidelity", 1, *fidelity_job(config, fidelity, gpus), 0, measured("fidelity") if fidelity else 0.0),
         stage("drafter_init", 1, 0, 0, later["untrained drafter"], measured("drafter_init")),
         stage("train_views", 1, 0, 0, later["training views"], measured("train_views")),
         stage("train", 1, train_gpus, 0, later["drafter"] + later["training checkpoints"],

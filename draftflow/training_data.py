@@ -16,10 +16,11 @@ import hashlib
 import os
 from pathlib import Path
 
+import torch
 from datasets import load_from_disk
 
-from draftflow.extract.hidden_states import opens_cleanly, read_token_ids
-from draftflow.extract.layout import token_digest, view_file_name
+from draftflow.extract.hidden_states import opens_cleanly, read_hidden_states, read_token_ids
+from draftflow.extract.layout import Sample, token_digest, view_file_name
 from draftflow.io import atomic_path, read_json
 
 
@@ -66,6 +67,18 @@ def check_file(path: Path, size: int, sample_id: str) -> None:
     )  # fmt: skip
     if problem:
         raise ValueError(f"Hidden-state file {path} (sample {sample_id}) {problem}. {REEXTRACT}")
+
+
+def extracted_states(summary_path: Path, samples: list[Sample]) -> dict[int, torch.Tensor]:
+    """Sample index → its states in float32 as the extraction stored them (fp8:
+    dequantized): the files training reads, each checked as training checks it."""
+    files = hidden_state_files(summary_path)
+    states = {}
+    for sample in samples:
+        entry = file_of(files, sample.sample_id, sample.token_ids, str(summary_path))
+        check_file(entry["path"], entry["bytes"], sample.sample_id)
+        states[sample.index] = read_hidden_states(entry["path"])
+    return states
 
 
 def build_view(dataset_dir: Path, summary_path: Path, rows: list[int], view_dir: Path) -> None:

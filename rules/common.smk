@@ -3,7 +3,7 @@ import sys
 from pathlib import Path
 
 from draftflow.provenance import code_version as draftflow_code_version
-from draftflow.extract.fidelity import decide_for_config, fidelity_tolerance
+from draftflow.extract.fidelity import decide_for_config, fidelity_job, fidelity_tolerance
 from draftflow.gpus import local_gpu_count
 from draftflow.job_placement import (
     concurrent_servers,
@@ -143,7 +143,8 @@ def check_target_now():
 
 
 def local_vllm_stages():
-    """The stages that would start a vLLM server for the target."""
+    """The stages that need vLLM to run the target: each starts a server, but fidelity
+    with the vllm backend, which reads vLLM's states from the extraction's files."""
     starts_vllm = {
         "generate": not config["generate"]["endpoint"],
         "extract": config["extract"]["backend"] == "vllm",

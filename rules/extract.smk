@@ -85,6 +85,12 @@ rule fidelity:
         plan=rules.extract_plan.output.plan,
         dataset=rules.prepare.output.dataset,
         target=TARGET,
+        # with the vllm backend, the check reads vLLM's states from the extraction's files
+        extracted=(
+            rules.extract.output.summary
+            if config["extract"]["backend"] == "vllm"
+            else []
+        ),
     output:
         report=result("fidelity/fidelity.json"),
     log:
@@ -95,7 +101,7 @@ rule fidelity:
     conda:
         CONDA_ENV
     resources:
-        gpu=gpus_per_server() if FIDELITY.check else 0,
+        gpu=fidelity_job(config, FIDELITY.check, gpus_per_server())[0],
     params:
         code=code_version("fidelity"),
         setting=config["extract"]["fidelity"],
@@ -106,6 +112,7 @@ rule fidelity:
             config["extract"]["fidelity_tolerance"][config["target"]["dtype"]],
             config["extract"]["storage"],
         ),
+        backend=config["extract"]["backend"],
         backend_options=extract_backend_options(),
         temperature=config["generate"]["temperature"],
         greedy_minimum=greedy_agreement_minimum(),

@@ -16,6 +16,7 @@ from draftflow.io import read_json, write_json
 from draftflow.gpus import claim_gpus
 from draftflow.rule_log import logged
 from draftflow.target_model import read_target_model
+from draftflow.training_data import extracted_states
 
 params = snakemake.params
 
@@ -25,7 +26,11 @@ def check_fidelity(target: str) -> dict:
     samples = load_samples(Path(snakemake.input.dataset))[: params.samples]
     states = {}  # transformers' in full precision; vllm's as stored (fp8: quantized by its connector)
     greedy = {}  # with greedy answers: transformers' own choice after each position, from its states
+    if params.backend == "vllm":  # the files vLLM extracted, which training reads: no second server
+        states["vllm"] = extracted_states(Path(snakemake.input.extracted), samples)
     for backend, storage in (("transformers", "full"), ("vllm", plan["storage"])):
+        if backend in states:
+            continue
         options = {**params.backend_options, "storage": storage}
         with open_extractor(backend, target, plan["layer_ids"], options, Path(snakemake.log.server)) as extract:
             states[backend] = {sample.index: full_precision(hs) for sample, hs in extract(samples)}

@@ -97,7 +97,9 @@ def test_an_evaluation_gate_above_the_drafter_fails_the_run_and_leaves_no_report
 def test_the_fidelity_check_fails_naming_the_layer_and_a_target_whose_greedy_choice_disagrees(tmp_path, demo_run):
     """One run of the fidelity rule: its tolerance below the error measured, and the copy
     of the target with its final norm zeroed (the answers came from the intact one): the
-    states before that norm still agree, its greedy choice no longer."""
+    states before that norm still agree, its greedy choice no longer. With the
+    transformers backend, so that the rule extracts vLLM's states with a server of its
+    own (the demo's run reads them from the files its vllm backend wrote)."""
     results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic", "prepared", "hidden_states")
     measured = json.loads((demo_run / "fidelity/fidelity.json").read_text())["max_relative_error_per_layer"]
     worst = max(measured, key=measured.get)
@@ -108,9 +110,11 @@ def test_the_fidelity_check_fails_naming_the_layer_and_a_target_whose_greedy_cho
     save_file(tensors, weights, metadata={"format": "pt"})
     for path, stat in times:  # as old as the answers: Snakemake reruns only the rule asked for
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    config = demo_config(extract={"fidelity_tolerance": {"float32": measured[worst] / 2}})
+    config = demo_config(extract={"backend": "transformers", "fidelity_tolerance": {"float32": measured[worst] / 2}})
     process = snakemake(tmp_path, config, "results/demo/fidelity/fidelity.json", check=False)
-    assert process.returncode != 0 and "rule generate:" not in process.stdout + process.stderr
+    output = process.stdout + process.stderr
+    assert process.returncode != 0 and "rule generate:" not in output and "rule extract_server:" not in output
+    assert "Starting vLLM server" in (tmp_path / "logs/demo/fidelity.server.log").read_text()
     log = (tmp_path / "logs/demo/fidelity.log").read_text()
     assert "differ beyond extract.fidelity_tolerance" in log and f"layer {worst}: " in log
     assert "below extract.fidelity_min_greedy_agreement 0.95" in log and "zeroed lm_head or final norm" in log

@@ -306,7 +306,8 @@ def dry_run_resources(output: str) -> dict[str, list[dict[str, str]]]:
 
 
 def test_dry_run_with_the_slurm_profile_shows_gpu_counts_per_rule(tmp_path):
-    """The 8-GPU example: vLLM servers take tensor parallel x data parallel GPUs, training train.gpus."""
+    """The 8-GPU example: vLLM servers take tensor parallel x data parallel GPUs, training
+    train.gpus, the fidelity check (vLLM's states from the files) transformers' one."""
     config = example_8gpu(tmp_path)
     process = run(
         [str(SNAKEMAKE), "-n", "--profile", str(PROFILE), "--snakefile", str(REPO / "Snakefile"),
@@ -319,7 +320,7 @@ def test_dry_run_with_the_slurm_profile_shows_gpu_counts_per_rule(tmp_path):
     jobs = dry_run_resources(output)
     settings = yaml.safe_load(config.read_text())
     server_gpus = settings["vllm"]["tensor_parallel_size"] * settings["vllm"].get("data_parallel_size", 1)
-    expected = {"generate": server_gpus, "extract_server": server_gpus, "fidelity": server_gpus, "train": settings["train"]["gpus"]}
+    expected = {"generate": server_gpus, "extract_server": server_gpus, "train": settings["train"]["gpus"]}
     if "serve_check" in jobs:
         expected["serve_check"] = server_gpus
     # a cluster's GPU count is unknown to the workflow: one server job per shard unless extract.servers says
@@ -330,6 +331,8 @@ def test_dry_run_with_the_slurm_profile_shows_gpu_counts_per_rule(tmp_path):
             if rule in expected:
                 assert int(job["gpu"]) == expected[rule] == 8, (rule, job)
                 assert (job["gpu_model"], job["cpus_per_gpu"]) == ("FILL_IN_GPU_MODEL", "8")
+            elif rule == "fidelity":
+                assert settings["extract"].get("backend", "vllm") == "vllm" and int(job["gpu"]) == 1, job
             else:
                 assert int(job.get("gpu", 0)) == 0, (rule, job)
-    assert set(expected) <= set(jobs)
+    assert set(expected) | {"fidelity"} <= set(jobs)

@@ -68,6 +68,17 @@ def decide_for_config(config: dict, weight_bytes: int | None) -> FidelityDecisio
     return decide(config["extract"]["fidelity"], weight_bytes, *memory)
 
 
+def fidelity_job(config: dict, check: bool, server_gpus: int) -> tuple[int, int]:
+    """The fidelity job's GPUs and model loads: transformers' load on one device; with the
+    transformers backend also a vLLM server of its own (with the vllm backend it reads
+    vLLM's states from the extraction's files)."""
+    if not check:
+        return 0, 0
+    if config["extract"]["backend"] == "vllm":
+        return min(1, server_gpus), 1
+    return server_gpus, 2
+
+
 def not_checked(decision: FidelityDecision) -> dict:
     return {"checked": False, "reason": decision.reason, "passed": None}
 
