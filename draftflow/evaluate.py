@@ -50,14 +50,12 @@ class TargetHead:
         model = read_target_model(target)
         head = model.head_weights
         weights = target_tensors(model, [head.final_norm, head.lm_head])
-        self.norm_scale = weights[head.final_norm] + model.final_norm_offset
+        self.norm = model.final_norm(weights[head.final_norm])
         self.lm_head = weights[head.lm_head]
-        self.eps = model.rms_norm_eps
 
+    @torch.inference_mode()
     def greedy(self, final_states: torch.Tensor) -> torch.Tensor:
-        states = final_states.float()
-        normed = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.norm_scale @ self.lm_head.T).argmax(-1)
+        return (self.norm(final_states.float()) @ self.lm_head.T).argmax(-1)
 
 
 @torch.inference_mode()

@@ -6,7 +6,7 @@ and its weights under a prefix (``language_model.model.norm.weight``); a
 model with tied embeddings has no lm_head weight of its own. Only
 config.json, generation_config.json and the safetensors headers are read (no
 torch, no transformers), so the Snakefile and the progress check use it too;
-``final_norm_offset`` alone asks transformers, importing it when called.
+``final_norm`` alone asks transformers, importing it when called.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ from pathlib import Path
 # models use the others.
 TEXT_SECTIONS = ("text_config", "decoder", "generator", "language_config", "llm_config", "language_model")
 LAYER_LISTS = ("layers_block_type", "layer_types")
-EMBEDDING, FINAL_NORM, LM_HEAD = "embed_tokens.weight", "norm.weight", "lm_head.weight"
+# A decoder's embedding and final norm, as transformers names them: embed_tokens and
+# norm, or embeddings and norm_f in Mamba-style backbones (Nemotron-H).
+EMBEDDINGS, FINAL_NORMS = ("embed_tokens", "embeddings"), ("norm", "norm_f")
+LM_HEAD = "lm_head.weight"
 
 
 class TargetModelError(ValueError):
@@ -101,10 +104,6 @@ class TargetModel:
             )
 
     @property
-    def rms_norm_eps(self) -> float:
-        return self.setting("rms_norm_eps")
-
-    @property
     def model_type(self) -> str:
         """The model type that loads (``kimi_k25`` for Kimi-K2.5, not its text model's)."""
         if "model_type" not in self.config:
@@ -157,18 +156,24 @@ class TargetModel:
         if self.weight_bytes is not None:
             _ = self.head_weights  # raises naming the file and what to do
 
+    def final_norm(self, weight=None):
+        """transformers' final norm of the text model, on the CPU in float32, with ``weight``
+        (a tensor) or zeros: it knows the norm's kind, its epsilon and whether it scales by
+        weight or by 1 + weight (Gemma-3, Qwen3-Next)."""
+        return transformers_final_norm(self.folder, weight)
+
     @cached_property
     def final_norm_offset(self) -> float:
         """What the text model's final norm adds to its weight before scaling: 1.0 for
-        Gemma-style norms (``1 + weight``), else 0.0. Where the workflow applies the
+        Gemma-style norms (``1 + weight``), else 0.0. Where speculators applies the
         target's norm weight itself, it scales by norm weight + this."""
-        return transformers_final_norm_offset(self.folder)
+        return norm_offset(self.final_norm(), self.config_file)
 
     @cached_property
     def head_weights(self) -> HeadWeights:
         files = weight_files(self.folder)
-        prefix = decoder_prefix(files, self.folder)
-        candidates = lm_head_candidates(prefix)
+        embed_tokens, final_norm = decoder_weights(files, self.folder)
+        candidates = lm_head_candidates(embed_tokens)
         lm_head = next((name for name in candidates if name in files), None)
         # A config silent on tying is tied when there is no lm_head to use.
         tied = lm_head is None if self.declared_tied is None else self.declared_tied
@@ -179,7 +184,6 @@ class TargetModel:
                 "output layer of zeros without a warning, and every answer would be empty or one token repeated. "
                 "Add the checkpoint's lm_head weights, or set tie_word_embeddings: true if the model ties them."
             )
-        embed_tokens, final_norm = f"{prefix}{EMBEDDING}", f"{prefix}{FINAL_NORM}"
         head = embed_tokens if tied else lm_head
         return HeadWeights(
             embed_tokens, final_norm, head, tied, {name: files[name] for name in (embed_tokens, final_norm, head)}
@@ -231,48 +235,69 @@ def safetensors_names(path: Path) -> list[str]:
     return [name for name in header if name != "__metadata__"]
 
 
-def decoder_prefix(names: dict[str, str], folder: Path) -> str:
-    """Where the text decoder's weights sit (``model.``, ``language_model.model.``,
-    ``model.language_model.``): the prefix of both its embedding and final norm."""
-    prefixes = [
-        name.removesuffix(EMBEDDING)
+def decoder_weights(names: dict[str, str], folder: Path) -> tuple[str, str]:
+    """The text decoder's embedding and final norm weights (``model.embed_tokens.weight``,
+    ``language_model.model.norm.weight``, ``backbone.norm_f.weight``): both under one prefix."""
+    found = [
+        (f"{prefix}{embedding}.weight", f"{prefix}{norm}.weight")
         for name in names
-        if (name == EMBEDDING or name.endswith(f".{EMBEDDING}"))
-        and f"{name.removesuffix(EMBEDDING)}{FINAL_NORM}" in names
+        for embedding in EMBEDDINGS
+        if name == f"{embedding}.weight" or name.endswith(f".{embedding}.weight")
+        for prefix in [name.removesuffix(f"{embedding}.weight")]
+        for norm in FINAL_NORMS
+        if f"{prefix}{norm}.weight" in names
     ]
-    if len(prefixes) != 1:
-        found = f"several ({', '.join(prefixes)})" if prefixes else "none"
+    if len(found) != 1:
+        listed = f"several ({', '.join(' and '.join(pair) for pair in found)})" if found else "none"
         raise TargetModelError(
-            f"the weights in {folder} must hold one text decoder, a PREFIX with both "
-            f"PREFIX{EMBEDDING} and PREFIX{FINAL_NORM} (e.g. model.); found {found}"
+            f"the weights in {folder} must hold one text decoder, a PREFIX with both its embedding "
+            f"(PREFIX{{{','.join(EMBEDDINGS)}}}.weight) and its final norm (PREFIX{{{','.join(FINAL_NORMS)}}}.weight), "
+            f"e.g. model.embed_tokens.weight and model.norm.weight; found {listed}"
         )
-    return prefixes[0]
+    return found[0]
 
 
-def lm_head_candidates(prefix: str) -> list[str]:
-    """Beside the decoder (``language_model.lm_head.weight`` for ``language_model.model.``), or at the top."""
-    parent = prefix.removesuffix(".").rpartition(".")[0]
+def lm_head_candidates(embedding: str) -> list[str]:
+    """Beside the decoder (``language_model.lm_head.weight`` for ``language_model.model.embed_tokens.weight``), or at the top."""
+    parent = embedding.rsplit(".", 2)[0].rpartition(".")[0]
     return [f"{parent}.{LM_HEAD}", LM_HEAD] if parent else [LM_HEAD]
 
 
-def transformers_final_norm_offset(folder: Path) -> float:
-    """Asks transformers: its final norm for the target's text model, given a zero
-    weight, applied to ones, gives the offset (Gemma-3 and Qwen3-Next scale by 1 + weight)."""
+def final_norm_module(decoder):
+    """The final norm of a transformers text decoder (``norm``, or ``norm_f``)."""
+    import torch
+
+    for name in FINAL_NORMS:
+        if isinstance(module := getattr(decoder, name, None), torch.nn.Module):
+            return module
+    raise TargetModelError(f"{type(decoder).__name__} has no final norm ({' or '.join(FINAL_NORMS)})")
+
+
+def transformers_final_norm(folder: Path, weight=None):
+    """The target's final norm as transformers builds it for its text model (on the meta
+    device first: no other weight is made, however large the model)."""
     import torch
     from transformers import AutoConfig, AutoModel
 
     text_config = AutoConfig.from_pretrained(folder).get_text_config()
-    with torch.device("meta"):  # no weights are made, however large the model
+    with torch.device("meta"):
         decoder = AutoModel.from_config(text_config)
-    norm = decoder.get_submodule(FINAL_NORM.removesuffix(".weight")).to_empty(device="cpu")
+    norm = final_norm_module(decoder).to_empty(device="cpu").float()
     with torch.no_grad():
-        for parameter in norm.parameters():
-            parameter.zero_()
-        scale = norm(torch.ones(1, text_config.hidden_size, dtype=norm.weight.dtype)).float()
+        norm.weight.copy_(torch.zeros(norm.weight.shape) if weight is None else weight)
+    return norm
+
+
+def norm_offset(norm, config_file: Path) -> float:
+    """What a final norm given a zero weight scales by: 0 or 1 (``1 + weight``)."""
+    import torch
+
+    with torch.no_grad():
+        scale = norm(torch.ones(1, norm.weight.shape[-1]))
     for offset in (0.0, 1.0):
         if torch.allclose(scale, torch.full_like(scale, offset), atol=1e-3):
             return offset
     raise TargetModelError(
-        f"{folder / 'config.json'}: transformers' final norm for this model ({type(norm).__name__}) "
+        f"{config_file}: transformers' final norm for this model ({type(norm).__name__}) "
         f"scales by neither its weight nor 1 + weight (with a zero weight ones became {scale.flatten()[:4].tolist()})"
     )

@@ -309,9 +309,15 @@ WORKFLOW_RUNS = {
 }
 # Twins built whose checks fail, and why: what draftflow cannot do with these families yet.
 KNOWN_GAPS = {
-    "DeepseekV4ForCausalLM": "draftflow.target_model finds no lm_head (transformers names it head.weight)",
-    "NemotronHForCausalLM": "draftflow.target_model finds no decoder (backbone.embeddings, backbone.norm_f)",
-    "NemotronH_Omni_Reasoning_V3": "draftflow.target_model finds no decoder (backbone.embeddings, backbone.norm_f)",
+    "DeepseekV4ForCausalLM": "its layers pass hc_mult residual streams, which hc_head mixes before the final norm "
+    "and head.weight; draftflow's states and the drafter's verifier head take one stream",
+    # draftflow resolves these and extracts their states; speculators 0.9.0 sizes the
+    # drafter's norms from the verifier's rms_norm_eps, which their configs lack
+    "Cohere2MoeForCausalLM": "speculators 0.9.0 builds no drafter: it reads the verifier's rms_norm_eps, which is None here",
+    "NemotronHForCausalLM": "speculators 0.9.0 builds no drafter: it reads the verifier's rms_norm_eps, "
+    "which NemotronHConfig calls layer_norm_epsilon",
+    "NemotronH_Omni_Reasoning_V3": "speculators 0.9.0 builds no drafter: it reads the verifier's rms_norm_eps, "
+    "which NemotronHConfig calls layer_norm_epsilon",
     "Gemma4ForCausalLM": "transformers' per-layer config does not shrink to 4 layers",
     "Gemma4ForConditionalGeneration": "transformers' per-layer config does not shrink to 4 layers",
     "Gemma4UnifiedForConditionalGeneration": "transformers' per-layer config does not shrink to 4 layers",

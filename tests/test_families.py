@@ -1,22 +1,26 @@
 """The family matrix: every architecture the pinned vLLM pairs with EAGLE-3 has a tiny
 twin built from transformers' own classes (tests/families.py), or the reason none can
 be built. Each twin resolves through draftflow.target_model, gets valid default layer
-ids and the decision vLLM itself gives for each stage, and the transformers backend's
-states equal transformers' own ``output_hidden_states``. The README's family table
+ids and the decision vLLM itself gives for each stage, the transformers backend's
+states equal transformers' own ``output_hidden_states``, evaluation's greedy head
+picks transformers' own greedy tokens, and speculators builds its untrained drafter. The README's family table
 is generated from these findings."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from draftflow.evaluate import TargetHead
 from draftflow.extract.fidelity import relative_errors
 from draftflow.extract.layout import Sample
 from draftflow.extract.transformers_backend import TransformersExtractor, load_target
 from draftflow.layers import resolve_layer_ids
-from draftflow.target_model import read_target_model, weight_files
+from draftflow.target_model import final_norm_module, read_target_model, weight_files
+from draftflow.train import DrafterShape, init_drafter
 from draftflow.vllm_registry import architecture_support, installed_version, vllm_build
 from draftflow.vllm_support import (
     WAYS_OUT,
@@ -37,6 +41,7 @@ NAMED_FAMILIES = (
 )  # fmt: skip
 SAMPLE_LENGTHS = (5, 17, 11)
 STATES_TOLERANCE = 1e-5  # fp32, relative: a packed (or padded) batch against a batch of one
+DRAFT_VOCAB, DRAFTER = 32, DrafterShape(num_layers=1, attention="sdpa", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -44,29 +49,36 @@ def twins(tmp_path_factory) -> dict[str, Path | str]:
     return matrix.built_twins(tmp_path_factory.mktemp("families"))
 
 
-def states_errors(folder: Path) -> list[float]:
+def states_errors(folder: Path) -> tuple[list[float], int]:
     """Worst relative error per layer id: the extractor's states (a packed batch, or a padded
     one where the decoder's attention cannot pack) against transformers'
-    output_hidden_states of each sample alone; the final id through the final norm."""
+    output_hidden_states of each sample alone; the final id through the final norm. And
+    the positions where evaluation's greedy head, given the extracted final states, picks
+    another token than transformers' own logits (beyond a tie)."""
     target = read_target_model(folder)
     layer_ids = resolve_layer_ids(None, target.num_layers)
     model = load_target(str(folder), dtype=torch.float32).eval()
+    head = TargetHead(folder)
     generator = torch.Generator().manual_seed(0)
     samples = [
         Sample(index, f"s{index}", torch.randint(0, target.vocab_size, (length,), generator=generator).tolist())
         for index, length in enumerate(SAMPLE_LENGTHS)
     ]
     extractor = TransformersExtractor(model, layer_ids, token_budget=64, device="cpu")
-    worst = [0.0] * len(layer_ids)
+    worst, wrong_greedy = [0.0] * len(layer_ids), 0
     with torch.inference_mode():
         for sample, states in extractor(samples):
-            hidden = model(input_ids=torch.tensor([sample.token_ids]), output_hidden_states=True).hidden_states
-            final = extractor.decoder.norm(states[:, -1])
+            output = model(input_ids=torch.tensor([sample.token_ids]), output_hidden_states=True)
+            hidden, logits = output.hidden_states, output.logits[0]
+            final = final_norm_module(extractor.decoder)(states[:, -1])
             expected = torch.stack([*(hidden[k][0] for k in layer_ids[:-1]), hidden[-1][0]], dim=1)
             extracted = torch.cat([states[:, :-1], final[:, None]], dim=1)
             worst = [max(a, b) for a, b in zip(worst, relative_errors(expected, extracted), strict=True)]
+            greedy = head.greedy(states[:, -1])[:, None]
+            margin = logits.amax(-1, keepdim=True) - logits.gather(-1, greedy)
+            wrong_greedy += int((margin > 1e-4 * logits.abs().amax(-1, keepdim=True)).sum())
     extractor.close()
-    return worst
+    return worst, wrong_greedy
 
 
 def test_the_matrix_lists_every_supports_eagle3_architecture_of_the_pinned_vllm():
@@ -119,10 +131,27 @@ def twin_problems(architecture: str, folder: Path) -> list[str]:
         found.append(f"head weights {target.head_weights}")
     if resolve_layer_ids(None, target.num_layers) != [1, 2, 3, 4]:
         found.append("default layer ids")
-    errors = states_errors(folder)
+    errors, wrong_greedy = states_errors(folder)
     if max(errors) >= STATES_TOLERANCE:
         found.append(f"states off by {max(errors):.2e}")
+    if wrong_greedy:
+        found.append(f"evaluation's greedy head disagrees with transformers' logits at {wrong_greedy} positions")
+    if failure := drafter_init_failure(folder, target.vocab_size, resolve_layer_ids(None, target.num_layers)[:-1]):
+        found.append(failure)
     return found
+
+
+def drafter_init_failure(folder: Path, vocab_size: int, aux_layer_ids: list[int]) -> str | None:
+    """What stops the drafter_init rule's call, speculators building the untrained drafter, if anything."""
+    mapping = folder.parent / f"{folder.name}-vocab"
+    mapping.mkdir()
+    np.save(mapping / "d2t.npy", np.zeros(DRAFT_VOCAB, dtype=np.int64))
+    np.save(mapping / "t2d.npy", np.arange(vocab_size) < DRAFT_VOCAB)
+    try:
+        init_drafter(str(folder), aux_layer_ids, mapping / "d2t.npy", mapping / "t2d.npy", DRAFTER, mapping / "drafter")
+    except Exception as failure:
+        return f"speculators builds no drafter for it ({type(failure).__name__}: {str(failure).splitlines()[0][:120]})"
+    return None
 
 
 def test_the_support_decision_at_parse_time_is_vllms_own(twins, tmp_path, monkeypatch):

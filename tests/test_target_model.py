@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import Gemma3Config, Gemma3TextConfig, LlamaConfig, Qwen3NextConfig
+from transformers import Gemma3Config, Gemma3TextConfig, LlamaConfig, NemotronHConfig, Qwen3NextConfig
 
 from draftflow.target_model import TargetModelError, read_target_model
 from tests.conftest import snakemake
@@ -28,7 +28,7 @@ def test_a_plain_llama_target(tmp_path):
               "eos_token_id": 2, "pad_token_id": None, **TEXT_MODEL}  # fmt: skip
     names = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight"]
     target = write_target(tmp_path / "llama", config, names, generation_config={"pad_token_id": 0})
-    assert (target.num_layers, target.hidden_size, target.vocab_size, target.rms_norm_eps) == (4, 8, 32, 1e-6)
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (4, 8, 32)
     assert (target.model_type, target.architectures, target.section) == ("llama", ["LlamaForCausalLM"], ())
     assert (target.eos_token_ids, target.pad_token_id) == ([2], 0)
     head = target.head_weights
@@ -68,6 +68,17 @@ def test_a_kimi_k25_style_target_nests_its_text_model(tmp_path):
     )  # fmt: skip
 
 
+def test_a_mamba_style_backbone_names_its_embedding_and_final_norm_otherwise(tmp_path):
+    """Nemotron-H as transformers saves it: backbone.embeddings and backbone.norm_f, beside
+    per-layer norms that must not be taken for the final one."""
+    names = ["backbone.embeddings.weight", "backbone.layers.0.norm.weight", "backbone.layers.0.mixer.in_proj.weight",
+             "backbone.norm_f.weight", "lm_head.weight"]  # fmt: skip
+    head = write_target(tmp_path / "nemotron_h", {**TEXT_MODEL, "tie_word_embeddings": False}, names).head_weights
+    assert (head.embed_tokens, head.final_norm, head.lm_head) == (
+        "backbone.embeddings.weight", "backbone.norm_f.weight", "lm_head.weight"
+    )  # fmt: skip
+
+
 def test_sections_nested_deeper_and_sharded_weights(tmp_path):
     """transformers 5's VLM layout: model.language_model.* with lm_head.weight at the top, in shards."""
     target = tmp_path / "nested"
@@ -86,16 +97,18 @@ def test_sections_nested_deeper_and_sharded_weights(tmp_path):
 
 
 def test_transformers_says_which_final_norms_scale_by_one_plus_weight(tmp_path):
-    """Llama's norm scales by its weight, Gemma-3's and Qwen3-Next's by 1 + weight, also
-    under a multimodal config's text_config; config.json alone is read."""
+    """Llama's norm (and Nemotron-H's norm_f) scales by its weight, Gemma-3's and
+    Qwen3-Next's by 1 + weight, also under a multimodal config's text_config; config.json
+    alone is read."""
     tiny = {"num_hidden_layers": 1, "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
             "num_key_value_heads": 1, "head_dim": 4, "vocab_size": 32}  # fmt: skip
     offsets = {}
     for config in (LlamaConfig(**tiny), Gemma3TextConfig(**tiny), Gemma3Config(text_config=tiny),
-                   Qwen3NextConfig(**tiny, linear_num_key_heads=1, linear_num_value_heads=1)):  # fmt: skip
+                   Qwen3NextConfig(**tiny, linear_num_key_heads=1, linear_num_value_heads=1),
+                   NemotronHConfig(**tiny, layers_block_type=["attention"])):  # fmt: skip
         config.save_pretrained(tmp_path / config.model_type)
         offsets[config.model_type] = read_target_model(tmp_path / config.model_type).final_norm_offset
-    assert offsets == {"llama": 0.0, "gemma3_text": 1.0, "gemma3": 1.0, "qwen3_next": 1.0}
+    assert offsets == {"llama": 0.0, "gemma3_text": 1.0, "gemma3": 1.0, "qwen3_next": 1.0, "nemotron_h": 0.0}
 
 
 def test_what_is_missing_is_named_with_its_file(tmp_path):

@@ -49,7 +49,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from draftflow.extract import packed_attention
 from draftflow.extract.hidden_states import Fp8States, to_storage
 from draftflow.extract.layout import Sample
-from draftflow.target_model import read_target_model
+from draftflow.target_model import final_norm_module, read_target_model
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,7 +81,7 @@ class LayerCapture:
     def __init__(self, decoder: torch.nn.Module, layer_ids: list[int]):
         self.layer_ids = layer_ids
         self.captured: dict[int, torch.Tensor] = {}
-        modules = {0: decoder.embed_tokens} | {
+        modules = {0: decoder.get_input_embeddings()} | {
             k: decoder.layers[k - 1] for k in layer_ids if k > 0
         }
         self.handles = [
@@ -242,7 +242,7 @@ class TransformersExtractor:
         states before the final norm (the last slot of ``states``, as extracted) through
         the final norm and the output head."""
         last = states[:, -1].to(self.device, self.head.weight.dtype)
-        return self.head(self.decoder.norm(last)).argmax(-1).tolist()
+        return self.head(final_norm_module(self.decoder)(last)).argmax(-1).tolist()
 
     def close(self) -> None:
         """Remove the hooks and give the decoder back its SDPA attention."""
