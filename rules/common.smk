@@ -3,7 +3,11 @@ import sys
 from pathlib import Path
 
 from draftflow.provenance import code_version as draftflow_code_version
-from draftflow.extract.fidelity import decide_for_config, fidelity_job, fidelity_tolerance
+from draftflow.extract.fidelity import (
+    decide_for_config,
+    fidelity_job,
+    fidelity_tolerance,
+)
 from draftflow.gpus import local_gpu_count
 from draftflow.job_placement import (
     concurrent_servers,
