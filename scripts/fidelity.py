@@ -27,6 +27,7 @@ def check_fidelity(target: str) -> dict:
     states = {}  # transformers' in full precision; vllm's as stored (fp8: quantized by its connector)
     greedy = {}  # with greedy answers: transformers' own choice after each position, from its states
     if params.backend == "vllm":  # the files vLLM extracted, which training reads: no second server
+        Path(snakemake.log.server).write_text(f"No server: vLLM's states are read from {snakemake.input.extracted}\n")
         states["vllm"] = extracted_states(Path(snakemake.input.extracted), samples)
     for backend, storage in (("transformers", "full"), ("vllm", plan["storage"])):
         if backend in states:

@@ -210,7 +210,10 @@ def test_samples_longer_than_the_max_sequence_length_are_truncated_or_dropped_an
 
 
 def test_servers_listen_on_loopback_and_trust_no_remote_code_by_default(demo_run):
-    server_logs = [log.read_text() for log in (demo_run.parents[1] / "logs/demo").glob("*.server.log")]
+    logs = demo_run.parents[1] / "logs/demo"
+    # fidelity reads vLLM's states from the extraction's files and starts no server
+    assert (logs / "fidelity.server.log").read_text().startswith("No server: vLLM's states are read from ")
+    server_logs = [log.read_text() for log in logs.glob("*.server.log") if log.name != "fidelity.server.log"]
     addresses = {re.search(r"Starting vLLM server on http://([^:]+):", log).group(1) for log in server_logs}
     assert len(server_logs) >= 3 and addresses == {"127.0.0.1"}
     assert all("trust_remote_code=False" in log for log in server_logs)
