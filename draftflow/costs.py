@@ -40,6 +40,15 @@ def hidden_states_bytes(
     return file_bytes(tokens) + (samples - 1) * file_bytes(0)
 
 
+def fidelity_reference_bytes(
+    samples: int, tokens: int, checked_samples: int, num_layer_ids: int, hidden_size: int, dtype: str
+) -> int:
+    """The fidelity reference's states: the first ``checked_samples`` samples (at the mean
+    length) in the model's dtype, as one file."""
+    checked = min(checked_samples, samples)
+    return hidden_state_bytes(round(tokens * checked / max(samples, 1)), num_layer_ids, hidden_size, dtype, "full")
+
+
 def vocab_map_bytes(target_vocab: int, draft_vocab: int) -> int:
     """d2t (int64 per draft token) and t2d (a bool per target token) as .npy files, and the coverage plot."""
     return draft_vocab * 8 + target_vocab + 2 * 128 + VOCAB_PLOT_BYTES

@@ -41,13 +41,14 @@ from draftflow.answers import (
 )
 from draftflow.config import load_config
 from draftflow.costs import (
+    fidelity_reference_bytes,
     hidden_states_bytes,
     later_stage_bytes,
     tree_bytes,
     vocab_map_bytes,
 )
 from draftflow.extract import layout
-from draftflow.extract.fidelity import decide_for_config, fidelity_job
+from draftflow.extract.fidelity import decide_for_config, fidelity_jobs
 from draftflow.extract.layout import ExtractionSettings, Sample
 from draftflow.fingerprint import target_fingerprint
 from draftflow.gpus import local_gpu_count
@@ -86,7 +87,8 @@ class Rates:
     prompt_tokens: float | None = None  # mean per sample; None: from the prompts' characters
 
 
-# Sources: "cpu" is this repository's demo on 2 cores (make test, 2026-11-30);
+# Sources: "cpu" is this repository's demo on 2 cores (make test, 2026-11-30; the two
+# fidelity jobs 2026-12-03);
 # "cuda" takes the 1T reference run of issue 14 (Kimi-K2 class, TP 8: model
 # load 24.5 min, extraction 2.5 samples/s of ~1,450 tokens) and BENCHMARKS.md
 # (H200: training 36,442 tokens/s); generation on a GPU was not measured here:
@@ -94,13 +96,13 @@ class Rates:
 # earlier run (--rates results/<run>) replace all of them.
 DEFAULT_RATES = {
     "cpu": Rates("defaults: the demo on 2 CPU cores", 20.0, 765.0, 2230.0, 540.0, 3000.0,
-                 {"prompts": 0.1, "vocab_map": 7.6, "extract_plan": 2.3, "extract": 2.0, "fidelity": 32.0,
-                  "drafter_init": 13.4, "train_views": 2.0, "evaluate": 7.6, "serve_check": 25.0,
+                 {"prompts": 0.1, "vocab_map": 7.6, "extract_plan": 2.3, "extract": 2.0, "fidelity_reference": 8.1,
+                  "fidelity": 3.2, "drafter_init": 13.4, "train_views": 2.0, "evaluate": 7.6, "serve_check": 25.0,
                   "report": 0.5, "provenance": 0.1}),
     "cuda": Rates("defaults: the 1T reference run and BENCHMARKS.md (generation assumed)", 1470.0, 5000.0,
                   20000.0, 3600.0, 36442.0,
-                  {"prompts": 1.0, "vocab_map": 60.0, "extract_plan": 60.0, "extract": 10.0, "fidelity": 600.0,
-                   "drafter_init": 120.0, "train_views": 60.0, "evaluate": 600.0, "serve_check": 1800.0,
+                  {"prompts": 1.0, "vocab_map": 60.0, "extract_plan": 60.0, "extract": 10.0, "fidelity_reference": 600.0,
+                   "fidelity": 60.0, "drafter_init": 120.0, "train_views": 60.0, "evaluate": 600.0, "serve_check": 1800.0,
                    "report": 5.0, "provenance": 1.0}),
 }  # fmt: skip
 
@@ -299,8 +301,9 @@ def extracted_before(hs_dir: Path, settings: ExtractionSettings, samples: list[S
 
 
 def plan_stages(config: dict, target: TargetModel, num_layer_ids: int, work: dict, later: dict[str, int], rates: Rates,
-                run_dir: Path, local_gpus: int | None, fidelity: bool) -> list[Stage]:  # fmt: skip
-    """``later``: the bytes of the outputs after extraction, in the end (costs.later_stage_bytes)."""
+                run_dir: Path, local_gpus: int | None, checked: bool) -> list[Stage]:  # fmt: skip
+    """``later``: the bytes of the outputs after extraction, in the end (costs.later_stage_bytes);
+    ``checked``: whether the fidelity check runs."""
     gpus, samples, tokens = server_gpus(config), work["samples"], work["tokens"]
     shards = config["extract"]["shards"]
     servers, _ = concurrent_servers(config["extract"]["servers"], shards, gpus, local_gpus)
@@ -317,6 +320,11 @@ def plan_stages(config: dict, target: TargetModel, num_layer_ids: int, work: dic
     generate_load = load if starts_server else 0.0
     train_gpus = config["train"]["gpus"] if config["device"] == "cuda" else 0
     serve = config["evaluate"]["serve_check"]
+    fidelity = fidelity_jobs(config, checked, gpus)
+    reference_bytes = fidelity_reference_bytes(
+        samples, tokens, config["extract"]["fidelity_samples"] if checked else 0, num_layer_ids, target.hidden_size,
+        config["target"]["dtype"],
+    )  # fmt: skip
 
     def stage(name, jobs, gpus_per_job, loads, written, seconds, gpu_seconds=None, load_seconds=0.0, reuse=(None, None)) -> Stage:
         gpu_seconds = seconds * gpus_per_job * jobs if gpu_seconds is None else gpu_seconds
@@ -333,11 +341,13 @@ def plan_stages(config: dict, target: TargetModel, num_layer_ids: int, work: dic
         stage("vocab_map", 1, 0, 0, vocab_map_bytes(target.vocab_size, config["vocab"]["draft_vocab_size"]),
               measured("vocab_map")),
         stage("extract_plan", 1, 0, 0, 0, measured("extract_plan")),
+        stage("fidelity_reference", 1, *fidelity["fidelity_reference"], reference_bytes,
+              measured("fidelity_reference") if checked else 0.0),
         stage("extract_server", servers, gpus, extract_loads, hidden_bytes, extract_wall,
               gpu_seconds=servers * gpus * per_server, load_seconds=math.ceil(servers / at_once) * load * bool(extract_loads),
               reuse=(work["extracted_before"], work["to_extract"])),
         stage("extract", 1, 0, 0, 0, measured("extract")),
-        stage("fidelity", 1, *fidelity_job(config, fidelity, gpus), 0, measured("fidelity") if fidelity else 0.0),
+        stage("fidelity", 1, *fidelity["fidelity"], 0, measured("fidelity") if checked else 0.0),
         stage("drafter_init", 1, 0, 0, later["untrained drafter"], measured("drafter_init")),
         stage("train_views", 1, 0, 0, later["training views"], measured("train_views")),
         stage("train", 1, train_gpus, 0, later["drafter"] + later["training checkpoints"],
@@ -358,13 +368,13 @@ def build_plan(config: dict, run_dir: Path, rates: Rates, free_bytes: int | None
     """The plan of ``config``'s run, whose outputs go to ``run_dir`` (``<working directory>/results/<run>``)."""
     in_workdir = run_dir.parents[1] / config["target"]["path"]  # results/<run> sits in the working directory
     target = read_target_model(in_workdir if in_workdir.is_dir() else resolve_target(config["target"]["path"]).folder)
-    fidelity = decide_for_config(config, target.weight_bytes).check
+    checked = decide_for_config(config, target.weight_bytes).check
     layer_ids = resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
     num_layer_ids = len(layer_ids)
     work = token_counts(config, run_dir, rates, target.folder, layer_ids)
     views = round(rates.prepared_bytes_per_token * work["tokens"])
     later, at_peak = (later_stage_bytes(config, target, num_layer_ids, views, peak=peak) for peak in (False, True))
-    stages = plan_stages(config, target, num_layer_ids, work, later, rates, run_dir, local_gpus, fidelity)
+    stages = plan_stages(config, target, num_layer_ids, work, later, rates, run_dir, local_gpus, checked)
     total = sum(s.bytes_written for s in stages)
     peak = total + sum(at_peak.values()) - sum(later.values())
     disk = run_dir if run_dir.exists() else Path.cwd()

@@ -42,6 +42,7 @@ STAGES = (
     Stage("prepare", ("prepared",), 2000),
     Stage("vocab_map", ("vocab",), 1000),
     Stage("extract_plan", (HIDDEN_STATES,), 1000),
+    Stage("fidelity_reference", ("fidelity",), 2000),
     Stage("extract_server", (HIDDEN_STATES,), 5000, per_server=True),
     Stage("extract", (HIDDEN_STATES,), 1000),
     Stage("fidelity", ("fidelity",), 5000),

@@ -69,15 +69,15 @@ def check_file(path: Path, size: int, sample_id: str) -> None:
         raise ValueError(f"Hidden-state file {path} (sample {sample_id}) {problem}. {REEXTRACT}")
 
 
-def extracted_states(summary_path: Path, samples: list[Sample]) -> dict[int, torch.Tensor]:
-    """Sample index → its states in float32 as the extraction stored them (fp8:
+def extracted_states(summary_path: Path, samples: list[Sample]) -> dict[str, torch.Tensor]:
+    """Sample id → its states in float32 as the extraction stored them (fp8:
     dequantized): the files training reads, each checked as training checks it."""
     files = hidden_state_files(summary_path)
     states = {}
     for sample in samples:
         entry = file_of(files, sample.sample_id, sample.token_ids, str(summary_path))
         check_file(entry["path"], entry["bytes"], sample.sample_id)
-        states[sample.index] = read_hidden_states(entry["path"])
+        states[sample.sample_id] = read_hidden_states(entry["path"])
     return states
 
 

@@ -4,9 +4,12 @@ from pathlib import Path
 
 from draftflow.provenance import code_version as draftflow_code_version
 from draftflow.extract.fidelity import (
+    REFERENCE_RECORD,
+    REFERENCE_STATES,
     decide_for_config,
-    fidelity_job,
+    fidelity_jobs,
     fidelity_tolerance,
+    vllm_states_from_extraction,
 )
 from draftflow.gpus import local_gpu_count
 from draftflow.job_placement import (
@@ -148,7 +151,8 @@ def check_target_now():
 
 def local_vllm_stages():
     """The stages that need vLLM to run the target: each starts a server, but fidelity
-    with the vllm backend, which reads vLLM's states from the extraction's files."""
+    with the vllm backend, which reads the states vLLM extracted (listed all the same:
+    with extract.backend: transformers, its way out, fidelity starts a server)."""
     starts_vllm = {
         "generate": not config["generate"]["endpoint"],
         "extract": config["extract"]["backend"] == "vllm",
@@ -170,6 +174,7 @@ def extract_servers():
 
 FIDELITY = fidelity_decision()
 EXTRACT_SERVERS, EXTRACT_SERVERS_REASON = extract_servers()
+FIDELITY_JOBS = fidelity_jobs(config, FIDELITY.check, gpus_per_server())
 check_target_now()
 if workflow.is_main_process:  # once per run, also with -n; not again in each job
     print(f"fidelity: {FIDELITY.reason}", file=sys.stderr)

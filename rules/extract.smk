@@ -32,6 +32,35 @@ rule extract_plan:
         "../scripts/extract_plan.py"
 
 
+rule fidelity_reference:
+    input:
+        plan=rules.extract_plan.output.plan,
+        dataset=rules.prepare.output.dataset,
+        target=TARGET,
+    output:
+        record=result(f"fidelity/{REFERENCE_RECORD}"),
+        states=result(f"fidelity/{REFERENCE_STATES}"),
+    log:
+        log_path("fidelity_reference"),
+    benchmark:
+        benchmark_path("fidelity_reference")
+    conda:
+        CONDA_ENV
+    resources:
+        gpu=FIDELITY_JOBS["fidelity_reference"][0],
+    params:
+        code=code_version("fidelity_reference"),
+        setting=config["extract"]["fidelity"],
+        device=config["device"],
+        device_memory_gb=config["extract"]["fidelity_device_memory_gb"],
+        samples=config["extract"]["fidelity_samples"],
+        backend_options=extract_backend_options(),
+        temperature=config["generate"]["temperature"],
+        greedy_minimum=greedy_agreement_minimum(),
+    script:
+        "../scripts/fidelity_reference.py"
+
+
 rule extract_server:
     input:
         plan=rules.extract_plan.output.plan,
@@ -85,11 +114,10 @@ rule fidelity:
         plan=rules.extract_plan.output.plan,
         dataset=rules.prepare.output.dataset,
         target=TARGET,
-        # with the vllm backend, the check reads vLLM's states from the extraction's files
+        reference=rules.fidelity_reference.output.record,
+        reference_states=rules.fidelity_reference.output.states,
         extracted=(
-            rules.extract.output.summary
-            if config["extract"]["backend"] == "vllm"
-            else []
+            rules.extract.output.summary if vllm_states_from_extraction(config) else []
         ),
     output:
         report=result("fidelity/fidelity.json"),
@@ -101,20 +129,13 @@ rule fidelity:
     conda:
         CONDA_ENV
     resources:
-        gpu=fidelity_job(config, FIDELITY.check, gpus_per_server())[0],
+        gpu=FIDELITY_JOBS["fidelity"][0],
     params:
         code=code_version("fidelity"),
-        setting=config["extract"]["fidelity"],
-        device=config["device"],
-        device_memory_gb=config["extract"]["fidelity_device_memory_gb"],
-        samples=config["extract"]["fidelity_samples"],
         tolerance=fidelity_tolerance(
             config["extract"]["fidelity_tolerance"][config["target"]["dtype"]],
             config["extract"]["storage"],
         ),
-        backend=config["extract"]["backend"],
         backend_options=extract_backend_options(),
-        temperature=config["generate"]["temperature"],
-        greedy_minimum=greedy_agreement_minimum(),
     script:
         "../scripts/fidelity.py"

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from draftflow.answers import answer_store, conversation_key
 from draftflow.evaluate import gate, gate_failure
-from draftflow.extract.fidelity import compare, fidelity_failure
+from draftflow.extract.fidelity import REFERENCE_RECORD, compare, fidelity_failure
 from draftflow.fingerprint import target_fingerprint
 from draftflow.generate import EARLY_ANSWERS, GenerationSettings
 from draftflow.vllm_server import free_port
@@ -94,22 +94,13 @@ def test_an_evaluation_gate_above_the_drafter_fails_the_run_and_leaves_no_report
 
 
 @pytest.mark.slow
-def test_the_fidelity_check_fails_naming_the_layer_and_a_target_whose_greedy_choice_disagrees(tmp_path, demo_run):
-    """One run of the fidelity rule: its tolerance below the error measured, and the copy
-    of the target with its final norm zeroed (the answers came from the intact one): the
-    states before that norm still agree, its greedy choice no longer. With the
-    transformers backend, so that the rule extracts vLLM's states with a server of its
-    own (the demo's run reads them from the files its vllm backend wrote)."""
-    results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic", "prepared", "hidden_states")
+def test_the_fidelity_check_fails_naming_the_layer(tmp_path, demo_run):
+    """The tolerance below the error the demo measured. With the transformers backend, so
+    that the rule extracts vLLM's states with a server of its own (the demo's run reads
+    them from the files its vllm backend wrote); the reference needs no extraction."""
+    results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic", "prepared")
     measured = json.loads((demo_run / "fidelity/fidelity.json").read_text())["max_relative_error_per_layer"]
     worst = max(measured, key=measured.get)
-    weights = tmp_path / "resources/demo-target/model.safetensors"
-    times = [(path, path.stat()) for path in (weights, weights.parent)]
-    tensors = load_file(weights)
-    tensors["model.norm.weight"] = torch.zeros_like(tensors["model.norm.weight"])
-    save_file(tensors, weights, metadata={"format": "pt"})
-    for path, stat in times:  # as old as the answers: Snakemake reruns only the rule asked for
-        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     config = demo_config(extract={"backend": "transformers", "fidelity_tolerance": {"float32": measured[worst] / 2}})
     process = snakemake(tmp_path, config, "results/demo/fidelity/fidelity.json", check=False)
     output = process.stdout + process.stderr
@@ -117,8 +108,28 @@ def test_the_fidelity_check_fails_naming_the_layer_and_a_target_whose_greedy_cho
     assert "Starting vLLM server" in (tmp_path / "logs/demo/fidelity.server.log").read_text()
     log = (tmp_path / "logs/demo/fidelity.log").read_text()
     assert "differ beyond extract.fidelity_tolerance" in log and f"layer {worst}: " in log
+    assert (results / "fidelity/reference.json").exists() and not (results / "fidelity/fidelity.json").exists()
+
+
+@pytest.mark.slow
+def test_a_target_whose_greedy_choice_disagrees_with_the_answers_fails_the_reference(tmp_path, demo_run):
+    """A copy of the target with its final norm zeroed (the answers came from the intact
+    one): the states before that norm still agree, its greedy choice no longer. The
+    reference job, which needs no extraction, fails naming the likely causes."""
+    results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic", "prepared")
+    weights = tmp_path / "resources/demo-target/model.safetensors"
+    times = [(path, path.stat()) for path in (weights, weights.parent)]
+    tensors = load_file(weights)
+    tensors["model.norm.weight"] = torch.zeros_like(tensors["model.norm.weight"])
+    save_file(tensors, weights, metadata={"format": "pt"})
+    for path, stat in times:  # as old as the answers: Snakemake reruns only the rules after them
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    process = snakemake(tmp_path, demo_config(), f"results/demo/fidelity/{REFERENCE_RECORD}", check=False)
+    output = process.stdout + process.stderr
+    assert process.returncode != 0 and "rule generate:" not in output and "rule extract_server:" not in output
+    log = (tmp_path / "logs/demo/fidelity_reference.log").read_text()
     assert "below extract.fidelity_min_greedy_agreement 0.95" in log and "zeroed lm_head or final norm" in log
-    assert not (results / "fidelity/fidelity.json").exists()
+    assert not (results / f"fidelity/{REFERENCE_RECORD}").exists()
 
 
 @pytest.mark.slow

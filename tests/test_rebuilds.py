@@ -13,8 +13,8 @@ from tests.conftest import REPO, copy_demo_run, demo_config, snakemake, workflow
 pytestmark = pytest.mark.slow
 
 FROM_GENERATE = {
-    "generate", "prepare", "vocab_map", "extract_plan", "extract_server", "extract", "fidelity",
-    "drafter_init", "train_views", "train", "evaluate", "serve_check", "report", "provenance",
+    "generate", "prepare", "vocab_map", "extract_plan", "fidelity_reference", "extract_server", "extract",
+    "fidelity", "drafter_init", "train_views", "train", "evaluate", "serve_check", "report", "provenance",
 }  # fmt: skip
 
 
@@ -51,11 +51,11 @@ def settled(workdir, demo_run):
         ),
         (
             {"extract": {"layer_ids": [1, 3, 5]}},
-            {"extract_plan", "extract_server", "extract", "fidelity", "drafter_init", "train_views",
-             "train", "evaluate", "serve_check", "report", "provenance"},
+            {"extract_plan", "fidelity_reference", "extract_server", "extract", "fidelity", "drafter_init",
+             "train_views", "train", "evaluate", "serve_check", "report", "provenance"},
         ),  # fmt: skip
         ({"evaluate": {"min_acceptance_length": 1.5}}, {"evaluate", "serve_check", "report", "provenance"}),
-        ({"extract": {"fidelity": "never"}}, {"fidelity", "report", "provenance"}),
+        ({"extract": {"fidelity": "never"}}, {"fidelity_reference", "fidelity", "report", "provenance"}),
         ({"generate": {"temperature": 0.5}}, FROM_GENERATE),
     ],
     ids=["train.lr", "train.epochs", "train.ttt_steps", "vocab.draft_vocab_size",

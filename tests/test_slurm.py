@@ -30,7 +30,7 @@ from tests.conftest import REPO, SNAKEMAKE, demo_config
 SLURM_SH = REPO / ".ci/slurm.sh"
 PROFILE = REPO / "profiles/slurm"
 FILL_INS = ("FILL_IN_PARTITION", "FILL_IN_ACCOUNT", "FILL_IN_GPU_MODEL")
-GPU_RULES = {"generate", "extract_server", "fidelity", "serve_check", "train"}
+GPU_RULES = {"generate", "extract_server", "fidelity_reference", "fidelity", "serve_check", "train"}
 TIMINGS: dict[str, float] = {}
 
 pytestmark = pytest.mark.slow
@@ -307,7 +307,8 @@ def dry_run_resources(output: str) -> dict[str, list[dict[str, str]]]:
 
 def test_dry_run_with_the_slurm_profile_shows_gpu_counts_per_rule(tmp_path):
     """The 8-GPU example: vLLM servers take tensor parallel x data parallel GPUs, training
-    train.gpus, the fidelity check (vLLM's states from the files) transformers' one."""
+    train.gpus, the fidelity reference transformers' one, the fidelity comparison (vLLM's
+    states from the files) none."""
     config = example_8gpu(tmp_path)
     process = run(
         [str(SNAKEMAKE), "-n", "--profile", str(PROFILE), "--snakefile", str(REPO / "Snakefile"),
@@ -331,8 +332,9 @@ def test_dry_run_with_the_slurm_profile_shows_gpu_counts_per_rule(tmp_path):
             if rule in expected:
                 assert int(job["gpu"]) == expected[rule] == 8, (rule, job)
                 assert (job["gpu_model"], job["cpus_per_gpu"]) == ("FILL_IN_GPU_MODEL", "8")
-            elif rule == "fidelity":
-                assert settings["extract"].get("backend", "vllm") == "vllm" and int(job["gpu"]) == 1, job
+            elif rule == "fidelity_reference":
+                assert int(job["gpu"]) == 1, job
             else:
                 assert int(job.get("gpu", 0)) == 0, (rule, job)
-    assert set(expected) | {"fidelity"} <= set(jobs)
+    assert settings["extract"].get("backend", "vllm") == "vllm"  # so fidelity asks for none
+    assert set(expected) | {"fidelity_reference", "fidelity"} <= set(jobs)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from draftflow.io import atomic_path, read_json, write_json
 from draftflow.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -68,15 +70,48 @@ def decide_for_config(config: dict, weight_bytes: int | None) -> FidelityDecisio
     return decide(config["extract"]["fidelity"], weight_bytes, *memory)
 
 
-def fidelity_job(config: dict, check: bool, server_gpus: int) -> tuple[int, int]:
-    """The fidelity job's GPUs and model loads: transformers' load on one device; with the
-    transformers backend also a vLLM server of its own (with the vllm backend it reads
-    vLLM's states from the extraction's files)."""
+def vllm_states_from_extraction(config: dict) -> bool:
+    """Whether the fidelity check takes vLLM's states from the extraction's files (the
+    vllm backend) rather than from a vLLM server of its own (the transformers backend)."""
+    return config["extract"]["backend"] == "vllm"
+
+
+def fidelity_jobs(config: dict, check: bool, server_gpus: int) -> dict[str, tuple[int, int]]:
+    """GPUs and model loads of the two fidelity jobs: the reference (transformers' load
+    on one device) and the comparison (a vLLM server of its own, or none)."""
     if not check:
-        return 0, 0
-    if config["extract"]["backend"] == "vllm":
-        return min(1, server_gpus), 1
-    return server_gpus, 2
+        return {"fidelity_reference": (0, 0), "fidelity": (0, 0)}
+    comparison = (0, 0) if vllm_states_from_extraction(config) else (server_gpus, 1)
+    return {"fidelity_reference": (min(1, server_gpus), 1), "fidelity": comparison}
+
+
+# The reference, beside fidelity.json: its record (the decision, the samples, the layer
+# ids, transformers' greedy agreement) and transformers' states.
+REFERENCE_RECORD, REFERENCE_STATES = "reference.json", "reference.safetensors"
+
+
+def write_reference(folder: Path | str, record: dict, states: dict[str, torch.Tensor]) -> None:
+    """Transformers' states by sample id (as computed, not widened), then their record."""
+    from safetensors.torch import save_file
+
+    with atomic_path(Path(folder) / REFERENCE_STATES) as tmp:
+        save_file({sample_id: hs.contiguous() for sample_id, hs in states.items()}, tmp)
+    write_json(Path(folder) / REFERENCE_RECORD, record)
+
+
+def read_reference(folder: Path | str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The record and transformers' states in float32, by sample id."""
+    from safetensors.torch import load_file
+
+    states = load_file(Path(folder) / REFERENCE_STATES)
+    return read_json(Path(folder) / REFERENCE_RECORD), {sample_id: hs.float() for sample_id, hs in states.items()}
+
+
+def compare_with_reference(record: dict, reference: dict[str, torch.Tensor], states: dict[str, torch.Tensor],
+                           tolerance: float) -> dict:  # fmt: skip
+    """:func:`compare` of vLLM's ``states`` (by sample id) with transformers' at the
+    record's layer ids."""
+    return compare({sample_id: reference[sample_id] for sample_id in states}, states, record["layer_ids"], tolerance)
 
 
 def not_checked(decision: FidelityDecision) -> dict:
@@ -101,8 +136,8 @@ def relative_errors(reference: torch.Tensor, other: torch.Tensor) -> list[float]
 
 
 def compare(
-    reference: dict[int, torch.Tensor],
-    other: dict[int, torch.Tensor],
+    reference: dict,
+    other: dict,
     layer_ids: list[int],
     tolerance: float,
 ) -> dict:
