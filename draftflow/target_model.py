@@ -6,7 +6,8 @@ and its weights under a prefix (``language_model.model.norm.weight``); a
 model with tied embeddings has no lm_head weight of its own. Only
 config.json, generation_config.json and the safetensors headers are read (no
 torch, no transformers), so the Snakefile and the progress check use it too;
-``final_norm`` alone asks transformers, importing it when called.
+``final_norm`` asks transformers, importing it when called, and so does the
+drafter's norm check where config.json lacks ``rms_norm_eps``.
 """
 
 from __future__ import annotations
@@ -156,6 +157,23 @@ class TargetModel:
         if self.weight_bytes is not None:
             _ = self.head_weights  # raises naming the file and what to do
 
+    def check_drafter_norm_epsilon(self, trust_remote_code: bool = False) -> None:
+        """Stop where speculators can build no drafter for the target: it gives the
+        drafter's norms the target's ``rms_norm_eps`` as transformers' config class reads
+        it, which some families lack (Nemotron-H calls it layer_norm_epsilon, Cohere2-MoE
+        layer_norm_eps). At parse time, not in drafter_init after generation."""
+        if self.text_config.get("rms_norm_eps") is not None or "model_type" not in self.config:
+            return  # set, or a config.json transformers cannot read (no model_type): nothing to ask
+        if transformers_rms_norm_eps(self.folder, trust_remote_code) is not None:
+            return
+        others = [key for key in self.text_config if key.endswith(("_eps", "_epsilon"))]
+        instead = f" (it has {', '.join(others)})" if others else ""
+        raise TargetModelError(
+            f"{self.config_file}: speculators builds the EAGLE-3 drafter's norms with the target's "
+            f"rms_norm_eps, which {'/'.join(self.architectures) or 'its text model'} does not set{instead}, "
+            "so no drafter can be built for this target with the installed speculators. Nothing was run."
+        )
+
     def final_norm(self, weight=None):
         """transformers' final norm of the text model, on the CPU in float32, with ``weight``
         (a tensor) or zeros: it knows the norm's kind, its epsilon and whether it scales by
@@ -259,7 +277,8 @@ def decoder_weights(names: dict[str, str], folder: Path) -> tuple[str, str]:
 
 def lm_head_candidates(embedding: str) -> list[str]:
     """Beside the decoder (``language_model.lm_head.weight`` for ``language_model.model.embed_tokens.weight``), or at the top."""
-    parent = embedding.rsplit(".", 2)[0].rpartition(".")[0]
+    decoder = embedding.rsplit(".", 2)[0]  # language_model.model
+    parent = decoder.rpartition(".")[0]  # language_model
     return [f"{parent}.{LM_HEAD}", LM_HEAD] if parent else [LM_HEAD]
 
 
@@ -271,6 +290,15 @@ def final_norm_module(decoder):
         if isinstance(module := getattr(decoder, name, None), torch.nn.Module):
             return module
     raise TargetModelError(f"{type(decoder).__name__} has no final norm ({' or '.join(FINAL_NORMS)})")
+
+
+def transformers_rms_norm_eps(folder: Path, trust_remote_code: bool) -> float | None:
+    """The target's rms_norm_eps as speculators reads it: transformers' config class, its
+    text_config where it has one."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    return getattr(getattr(config, "text_config", config), "rms_norm_eps", None)
 
 
 def transformers_final_norm(folder: Path, weight=None):

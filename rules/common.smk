@@ -144,6 +144,7 @@ def check_target_now():
     target.check_output_head()
     resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
     target.check_draft_vocab_size(config["vocab"]["draft_vocab_size"])
+    target.check_drafter_norm_epsilon(config["target"]["trust_remote_code"])
     check_architecture(target, local_vllm_stages())
     if config["device"] == "cpu":
         check_cpu_engine(target, local_vllm_stages())
@@ -173,8 +174,8 @@ def extract_servers():
 
 
 FIDELITY = fidelity_decision()
-EXTRACT_SERVERS, EXTRACT_SERVERS_REASON = extract_servers()
 FIDELITY_JOBS = fidelity_jobs(config, FIDELITY.check, gpus_per_server())
+EXTRACT_SERVERS, EXTRACT_SERVERS_REASON = extract_servers()
 check_target_now()
 if workflow.is_main_process:  # once per run, also with -n; not again in each job
     print(f"fidelity: {FIDELITY.reason}", file=sys.stderr)

@@ -313,11 +313,12 @@ KNOWN_GAPS = {
     "and head.weight; draftflow's states and the drafter's verifier head take one stream",
     # draftflow resolves these and extracts their states; speculators 0.9.0 sizes the
     # drafter's norms from the verifier's rms_norm_eps, which their configs lack
-    "Cohere2MoeForCausalLM": "speculators 0.9.0 builds no drafter: it reads the verifier's rms_norm_eps, which is None here",
+    "Cohere2MoeForCausalLM": "speculators 0.9.0 builds no drafter: it reads the verifier's rms_norm_eps, which is "
+    "None here; the run stops at parse time, naming it",
     "NemotronHForCausalLM": "speculators 0.9.0 builds no drafter: it reads the verifier's rms_norm_eps, "
-    "which NemotronHConfig calls layer_norm_epsilon",
+    "which NemotronHConfig calls layer_norm_epsilon; the run stops at parse time, naming it",
     "NemotronH_Omni_Reasoning_V3": "speculators 0.9.0 builds no drafter: it reads the verifier's rms_norm_eps, "
-    "which NemotronHConfig calls layer_norm_epsilon",
+    "which NemotronHConfig calls layer_norm_epsilon; the run stops at parse time, naming it",
     "Gemma4ForCausalLM": "transformers' per-layer config does not shrink to 4 layers",
     "Gemma4ForConditionalGeneration": "transformers' per-layer config does not shrink to 4 layers",
     "Gemma4UnifiedForConditionalGeneration": "transformers' per-layer config does not shrink to 4 layers",

@@ -19,7 +19,7 @@ from draftflow.extract.fidelity import relative_errors
 from draftflow.extract.layout import Sample
 from draftflow.extract.transformers_backend import TransformersExtractor, load_target
 from draftflow.layers import resolve_layer_ids
-from draftflow.target_model import final_norm_module, read_target_model, weight_files
+from draftflow.target_model import TargetModelError, final_norm_module, read_target_model, weight_files
 from draftflow.train import DrafterShape, init_drafter
 from draftflow.vllm_registry import architecture_support, installed_version, vllm_build
 from draftflow.vllm_support import (
@@ -136,8 +136,16 @@ def twin_problems(architecture: str, folder: Path) -> list[str]:
         found.append(f"states off by {max(errors):.2e}")
     if wrong_greedy:
         found.append(f"evaluation's greedy head disagrees with transformers' logits at {wrong_greedy} positions")
-    if failure := drafter_init_failure(folder, target.vocab_size, resolve_layer_ids(None, target.num_layers)[:-1]):
+    failure = drafter_init_failure(folder, target.vocab_size, resolve_layer_ids(None, target.num_layers)[:-1])
+    if failure:
         found.append(failure)
+    try:
+        target.check_drafter_norm_epsilon()
+        refusal = None
+    except TargetModelError as stopped:
+        refusal = str(stopped)
+    if (refusal is None) != (failure is None):  # the parse-time check foresees speculators' failure
+        found.append(f"the parse-time drafter check says {refusal!r}, speculators {failure!r}")
     return found
 
 

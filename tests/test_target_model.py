@@ -111,6 +111,23 @@ def test_transformers_says_which_final_norms_scale_by_one_plus_weight(tmp_path):
     assert offsets == {"llama": 0.0, "gemma3_text": 1.0, "gemma3": 1.0, "qwen3_next": 1.0, "nemotron_h": 0.0}
 
 
+def test_a_target_without_rms_norm_eps_stops_at_parse_time(tmp_path):
+    """speculators builds the drafter's norms with the target's rms_norm_eps as transformers'
+    config class reads it: a Llama config.json without the key gets the class's default and
+    passes; Nemotron-H's class has layer_norm_epsilon instead, and the run stops, naming it."""
+    tiny = {"num_hidden_layers": 1, "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 4, "vocab_size": 32}  # fmt: skip
+    llama = LlamaConfig(**tiny).to_dict()
+    del llama["rms_norm_eps"]
+    write_target(tmp_path / "llama", llama, ["model.embed_tokens.weight"]).check_drafter_norm_epsilon()
+    NemotronHConfig(**tiny, layers_block_type=["attention"], architectures=["NemotronHForCausalLM"]).save_pretrained(
+        tmp_path / "nemotron_h"
+    )
+    with pytest.raises(TargetModelError, match="rms_norm_eps, which NemotronHForCausalLM does not set") as stopped:
+        read_target_model(tmp_path / "nemotron_h").check_drafter_norm_epsilon()
+    assert "(it has layer_norm_epsilon)" in str(stopped.value) and "config.json" in str(stopped.value)
+
+
 def test_what_is_missing_is_named_with_its_file(tmp_path):
     target = write_target(tmp_path / "bare", {"text_config": {"hidden_size": 8}}, ["model.norm.weight"])
     with pytest.raises(TargetModelError, match=r"bare/config.json has no 'num_hidden_layers' in text_config"):
