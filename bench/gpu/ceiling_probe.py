@@ -10,7 +10,12 @@ a decoder over packed samples.
 3. ``decoder``: a decoder of the 8B shape with --layers layers over one packed batch
    of --tokens tokens (samples of the extraction benchmark's lengths), as the
    extractor runs it: eager; compiled as ``extract.compile`` does (dynamic shapes);
-   compiled with static shapes; compiled with max-autotune (static shapes).
+   compiled with static shapes; compiled with max-autotune (static shapes);
+4. ``attention`` (not run by default): the packed attention's kernels at the 8B
+   shape over the same batch: PyTorch's varlen flash kernel (the extractor's) and
+   cuDNN's varlen attention, alone (TFLOP/s, error against float32 SDPA per sample)
+   and inside the compiled decoder; and the decoder with attention skipped, which
+   bounds what any attention kernel could gain.
 
     python3 bench/gpu/ceiling_probe.py --out $OUT        # on the GPU
 """
@@ -87,7 +92,7 @@ def packed_batch(tokens: int, vocab: int) -> list[list[int]]:
     return samples
 
 
-def decoder_modes(device, tokens: int, layers: int, reps: int) -> dict:
+def decoder_modes(device, tokens: int, layers: int, reps: int, only: str | None = None) -> dict:
     from transformers import LlamaConfig, LlamaModel
 
     shape = {**bench.SHAPES["8b"], "num_hidden_layers": layers}
@@ -114,6 +119,8 @@ def decoder_modes(device, tokens: int, layers: int, reps: int) -> dict:
     }
     out = {"tokens": sum(lengths), "samples": len(lengths), "layers": layers, "layer_parameters": layer_params}
     for name, options in modes.items():
+        if only is not None and name != only:
+            continue
         torch._dynamo.reset()
         for layer, forward in zip(decoder.layers, eager_forwards):
             layer.forward = forward if options is None else torch.compile(forward, **options)
@@ -136,6 +143,99 @@ def decoder_modes(device, tokens: int, layers: int, reps: int) -> dict:
                      # tokens/s of the 32 layers of the 8B shape at this rate
                      "tok_s_8b": sum(lengths) / seconds * layers / 32}  # fmt: skip
         bench.log(f"decoder {name}: {out[name]}")
+    return out
+
+
+def cudnn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, **_causal):
+    """``varlen_attn``'s call (causal, heads expanded) on cuDNN's varlen attention."""
+    return torch.ops.aten._cudnn_attention_forward(
+        q, k, v, None, cu_q, cu_k, max_q, max_k, False, 0.0, True, False, scale=scale
+    )[0]
+
+
+def flash_native_gqa(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, **_causal):
+    """The flash kernel itself, given k and v with their own (fewer) heads: FlashAttention-2
+    shares each kv head among its query heads, so they need no copies."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
+
+
+_FLEX = {}  # the batch's block mask, built once from its sample offsets
+
+
+def flex_documents(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, **_causal):
+    """FlexAttention over the packed row: causal within each sample (a document mask),
+    whole blocks outside the samples skipped; kv heads shared (enable_gqa)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "mask" not in _FLEX:
+        bounds = cu_q.tolist()
+        document = torch.repeat_interleave(
+            torch.arange(len(bounds) - 1, device=q.device), torch.tensor(bounds).diff().to(q.device)
+        )
+        same_sample_causal = lambda b, h, qi, ki: (document[qi] == document[ki]) & (qi >= ki)  # noqa: E731
+        _FLEX["mask"] = create_block_mask(same_sample_causal, None, None, q.shape[0], q.shape[0], device=q.device)
+        _FLEX["attend"] = torch.compile(flex_attention)
+    heads_first = [t.transpose(0, 1)[None] for t in (q, k, v)]
+    out = _FLEX["attend"](*heads_first, block_mask=_FLEX["mask"], scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def no_attention(q, k, v, *args, **kwargs):
+    return q
+
+
+# name: (the function packed_attention calls as varlen_attn, whether it takes k and v unexpanded)
+ATTENTION_KERNELS = {
+    "flash": (packed_attention.varlen_attn, packed_attention.VARLEN_GQA),
+    "flash_native_gqa": (flash_native_gqa, True),
+    "cudnn": (cudnn_varlen, False),
+    "flex": (flex_documents, True),
+    "skipped": (no_attention, True),
+}
+
+
+def use_kernel(name: str) -> None:
+    packed_attention.varlen_attn, packed_attention.VARLEN_GQA = ATTENTION_KERNELS[name]
+
+
+def attention_kernels(device, tokens: int, layers: int, reps: int) -> dict:
+    """Each kernel alone on the batch's q, k, v, then in the compiled decoder."""
+    heads, kv_heads, dim = 32, 8, 128
+    lengths = [len(s) for s in packed_batch(tokens, 128256)]
+    offsets = packed_attention.sample_offsets(lengths)
+    keywords = packed_attention.packed_keywords(offsets, device)
+    torch.manual_seed(0)
+    q = torch.randn(sum(lengths), heads, dim, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lengths), kv_heads, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+    expanded = [t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v)]
+    flops = 2 * heads * dim * sum(n * n for n in lengths)  # causal: half of 4 x heads x dim x n^2 per sample
+    cu, longest = keywords["cu_seq_lens_q"], keywords["max_length_q"]
+    first = list(zip(offsets[:4], offsets[1:5]))
+    reference = [
+        torch.nn.functional.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1).float()[None] for t in (q, *expanded)), is_causal=True
+        )[0].transpose(0, 1)
+        for a, b in first
+    ]
+    out = {"tokens": sum(lengths), "samples": len(lengths), "flops": flops, "alone": {}, "decoder": {}}
+    for name in ("flash", "flex", "cudnn"):
+        kernel, native_gqa = ATTENTION_KERNELS[name]
+        kv = (k, v) if native_gqa else expanded
+        try:
+            run = lambda: kernel(q, *kv, cu, cu, longest, longest, scale=dim**-0.5, **packed_attention.VARLEN_CAUSAL)  # noqa: E731
+            result = run()
+            error = max(
+                ((result[a:b].float() - ref).abs().max() / ref.abs().max()).item() for (a, b), ref in zip(first, reference)
+            )
+            seconds = statistics.median(timed(run, reps))
+            out["alone"][name] = {"seconds": seconds, "tflops": flops / seconds / 1e12, "max_rel_error_vs_fp32": error}
+        except Exception as error:  # noqa: BLE001
+            out["alone"][name] = {"error": repr(error)[:500]}
+        bench.log(f"attention alone, {name}: {out['alone'][name]}")
+    for name in ("flash", "flex", "skipped"):
+        use_kernel(name)
+        out["decoder"][name] = decoder_modes(device, tokens, layers, reps, only="compiled_dynamic")["compiled_dynamic"]
+    use_kernel("flash")
     return out
 
 
@@ -163,6 +263,9 @@ def main() -> None:
         save()
     if "decoder" in parts:
         report["decoder"] = decoder_modes(device, args.tokens, args.layers, args.reps)
+        save()
+    if "attention" in parts:
+        report["attention"] = attention_kernels(device, args.tokens, args.layers, args.reps)
         save()
     print(json.dumps({k: v for k, v in report.items() if k != "machine"}, indent=1)[-6000:])
 

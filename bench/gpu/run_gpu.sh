@@ -10,6 +10,8 @@
 #   bash bench/gpu/run_gpu.sh in-flight          # the default extraction at in_flight 2 and 3 (about 3 minutes; bench/gpu/in_flight_sweep.py)
 #   bash bench/gpu/run_gpu.sh ceiling            # the matrix rate burst and sustained, the 8B layer's products (cuBLAS, cuBLASLt),
 #                                                #   a decoder's compile modes (about 4 minutes; bench/gpu/ceiling_probe.py)
+#   bash bench/gpu/run_gpu.sh attention          # the packed attention's kernels: varlen flash, cuDNN varlen, none (about 2 minutes;
+#                                                #   bench/gpu/ceiling_probe.py --parts attention)
 #   bash bench/gpu/run_gpu.sh consumer           # the default extraction's consumer: journal fsyncs, samples in flight
 #                                                #   (about 3 minutes; bench/gpu/consumer_sweep.py)
 #   bash bench/gpu/run_gpu.sh fp8                # extract.storage fp8 against bf16 (about 3 minutes; bench/gpu/fp8_bench.py)
@@ -91,6 +93,9 @@ for part in "${parts[@]}"; do
         ;;
     ceiling)
         timeout "$(left ${CEILING_TIMEOUT:-300})" python3 bench/gpu/ceiling_probe.py --out "$OUT" 2>&1 | tee "$OUT/ceiling.log" || status=1
+        ;;
+    attention)
+        timeout "$(left ${CEILING_TIMEOUT:-300})" python3 bench/gpu/ceiling_probe.py --parts attention --out "$OUT" 2>&1 | tee "$OUT/attention.log" || status=1
         ;;
     consumer)
         timeout "$(left ${CONSUMER_TIMEOUT:-300})" python3 bench/gpu/consumer_sweep.py --out "$OUT" 2>&1 | tee "$OUT/consumer.log" || status=1
