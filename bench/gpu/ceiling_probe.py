@@ -12,10 +12,11 @@ a decoder over packed samples.
    extractor runs it: eager; compiled as ``extract.compile`` does (dynamic shapes);
    compiled with static shapes; compiled with max-autotune (static shapes);
 4. ``attention`` (not run by default): the packed attention's kernels at the 8B
-   shape over the same batch: PyTorch's varlen flash kernel (the extractor's) and
-   cuDNN's varlen attention, alone (TFLOP/s, error against float32 SDPA per sample)
-   and inside the compiled decoder; and the decoder with attention skipped, which
-   bounds what any attention kernel could gain.
+   shape over the same batch: PyTorch's varlen flash kernel (the extractor's, kv
+   heads copied), the same kernel given the kv heads as they are, FlexAttention with
+   a document mask and cuDNN's varlen attention, alone (TFLOP/s, error against
+   float32 SDPA per sample) and, but cuDNN's, inside the compiled decoder; and the
+   decoder with attention skipped, which bounds what any attention kernel could gain.
 
     python3 bench/gpu/ceiling_probe.py --out $OUT        # on the GPU
 """
@@ -218,7 +219,7 @@ def attention_kernels(device, tokens: int, layers: int, reps: int) -> dict:
         for a, b in first
     ]
     out = {"tokens": sum(lengths), "samples": len(lengths), "flops": flops, "alone": {}, "decoder": {}}
-    for name in ("flash", "flex", "cudnn"):
+    for name in ("flash", "flash_native_gqa", "flex", "cudnn"):
         kernel, native_gqa = ATTENTION_KERNELS[name]
         kv = (k, v) if native_gqa else expanded
         try:
@@ -232,7 +233,7 @@ def attention_kernels(device, tokens: int, layers: int, reps: int) -> dict:
         except Exception as error:  # noqa: BLE001
             out["alone"][name] = {"error": repr(error)[:500]}
         bench.log(f"attention alone, {name}: {out['alone'][name]}")
-    for name in ("flash", "flex", "skipped"):
+    for name in ("flash", "flash_native_gqa", "flex", "skipped"):
         use_kernel(name)
         out["decoder"][name] = decoder_modes(device, tokens, layers, reps, only="compiled_dynamic")["compiled_dynamic"]
     use_kernel("flash")
