@@ -4,8 +4,8 @@ from draftflow.extract.backends import open_extractor
 from draftflow.extract.fidelity import (
     decide,
     device_memory,
-    fidelity_failure,
     greedy_agreement,
+    greedy_failure,
     greedy_not_checked,
     not_checked,
     write_reference,
@@ -45,6 +45,6 @@ with logged(snakemake.log[0]), claim_gpus(snakemake.resources.gpu):
         record = {"checked": True, "reason": decision.reason, "layer_ids": layer_ids, "samples": list(states),
                   "greedy_agreement": agreement}  # fmt: skip
         print(agreement)
-        if failure := fidelity_failure({"passed": None, "greedy_agreement": agreement}):
+        if failure := greedy_failure(agreement):
             raise SystemExit(failure)
     write_reference(Path(snakemake.output.record).parent, record, states)

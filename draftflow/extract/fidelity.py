@@ -193,14 +193,20 @@ def fidelity_failure(result: dict) -> str | None:
             f"(max relative error) at {layers} ({result['samples']} samples). "
             "Check extract.layer_ids and the target's dtype before training on them."
         )
-    greedy = result.get("greedy_agreement", {})
-    if greedy.get("passed") is False:
-        worst = ", ".join(f"{sample_id} {share:.0%}" for sample_id, share in sorted(greedy["per_sample"].items(), key=lambda item: item[1])[:3])
-        failures.append(
-            f"transformers' greedy choice agrees with {greedy['share']:.1%} of the {greedy['answer_tokens']} answer "
-            f"tokens generation produced, below extract.fidelity_min_greedy_agreement {greedy['minimum']:g} "
-            f"(lowest: {worst}): the server that answered runs the target otherwise than its checkpoint "
-            "(another model or dtype behind generate.endpoint, a missing or zeroed lm_head or final norm, "
-            "another rope). Check generation's server log and the target before training on these answers."
-        )
+    if greedy := greedy_failure(result.get("greedy_agreement", {})):
+        failures.append(greedy)
     return " ".join(failures) or None
+
+
+def greedy_failure(greedy: dict) -> str | None:
+    """A greedy agreement below its minimum, named with its likely causes."""
+    if greedy.get("passed") is not False:
+        return None
+    worst = ", ".join(f"{sample_id} {share:.0%}" for sample_id, share in sorted(greedy["per_sample"].items(), key=lambda item: item[1])[:3])
+    return (
+        f"transformers' greedy choice agrees with {greedy['share']:.1%} of the {greedy['answer_tokens']} answer "
+        f"tokens generation produced, below extract.fidelity_min_greedy_agreement {greedy['minimum']:g} "
+        f"(lowest: {worst}): the server that answered runs the target otherwise than its checkpoint "
+        "(another model or dtype behind generate.endpoint, a missing or zeroed lm_head or final norm, "
+        "another rope). Check generation's server log and the target before training on these answers."
+    )
