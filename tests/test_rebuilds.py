@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,20 @@ def test_changing_the_server_count_reruns_the_server_jobs_which_load_nothing(tmp
         server_log = tmp_path / f"logs/demo/extract_server-{server}.server.log"
         assert not server_log.exists() or START_MARKER not in server_log.read_text()  # no server started
     assert {path: path.stat().st_mtime_ns for path in files} == files
+
+
+def test_a_new_fidelity_tolerance_reruns_the_comparison_and_leaves_the_reference_and_the_extraction(tmp_path, demo_run):
+    """The README's claim, by the files a real rerun leaves: the demo with its records
+    (.snakemake/metadata) copied, its tolerance doubled, run to the end."""
+    workdir = demo_run.parents[1]
+    for part in ("resources", "results/demo", "benchmarks/demo", "logs/demo", ".snakemake/metadata"):
+        shutil.copytree(workdir / part, tmp_path / part, symlinks=True)
+    results = tmp_path / "results/demo"
+    kept = [results / "fidelity/reference.json", results / "fidelity/reference.safetensors",
+            results / "hidden_states/manifest.json", results / "train/stats.json"]  # fmt: skip
+    before = {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in kept}
+    tolerance = json.loads((results / "fidelity/fidelity.json").read_text())["tolerance"] * 2
+    snakemake(tmp_path, demo_config(extract={"fidelity_tolerance": {"float32": tolerance}}))
+    fidelity = json.loads((results / "fidelity/fidelity.json").read_text())
+    assert fidelity["tolerance"] == tolerance and fidelity["passed"]
+    assert {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in kept} == before
