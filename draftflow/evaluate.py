@@ -4,6 +4,14 @@ For every start position in an assistant turn the drafter proposes K tokens as
 a chain (greedy), and each is checked against the target's greedy token, the
 argmax of the target's own norm and lm_head over the final-layer state. A
 proposal counts only while every earlier one was accepted, as at serving time.
+
+Two averages come from those chains. The every-position one (the training metric)
+scores a chain at each start. Decoding drafts only where it stands and jumps a + 1
+after a accepted tokens, so it visits the stretches a drafter finds easy about once
+a chain and the hard ones at every step: the decoding replay walks each answer so,
+from the prompt's end to the served ``max_tokens``, and predicts what vLLM's own
+counters will say when it serves the drafter on the same prompts (at temperature 0,
+exactly but for near ties).
 """
 
 from __future__ import annotations
@@ -73,21 +81,45 @@ def draft_chains(drafter, token_ids: torch.Tensor, aux_states: torch.Tensor, ste
     return draft + drafter.d2t[draft]
 
 
+def chain_length(token_ids: torch.Tensor, greedy: torch.Tensor, drafts: torch.Tensor, start: int) -> int:
+    """Drafts accepted (0..K) of the chain at ``start``, whose verified token is x[start+1]: each
+    while the earlier ones were accepted and the data still follows the target's greedy path.
+    A draft past the sample's last greedy token cannot be checked, and counts as rejected."""
+    accepted = 0
+    for k in range(min(drafts.shape[0], token_ids.numel() - 1 - start)):
+        on_target_path = k == 0 or token_ids[start + 1 + k] == greedy[start + k]
+        if not (on_target_path and drafts[k, start] == greedy[start + 1 + k]):
+            break
+        accepted += 1
+    return accepted
+
+
 def accepted_lengths(
     token_ids: torch.Tensor, loss_mask: torch.Tensor, greedy: torch.Tensor, drafts: torch.Tensor
 ) -> torch.Tensor:
     """Accepted chain length (0..K) for each start j whose verified token x[j+1] is the assistant's."""
     steps, total = drafts.shape[0], token_ids.numel()
     starts = [j for j in range(total - steps - 1) if loss_mask[j + 1]]
-    lengths = []
-    for j in starts:
-        accepted = 0
-        for k in range(steps):
-            on_target_path = k == 0 or token_ids[j + 1 + k] == greedy[j + k]
-            if not (on_target_path and drafts[k, j] == greedy[j + 1 + k]):
-                break
-            accepted += 1
+    return torch.tensor([chain_length(token_ids, greedy, drafts, j) for j in starts], dtype=torch.long)
+
+
+def replayed_lengths(
+    token_ids: torch.Tensor, loss_mask: list[int], greedy: torch.Tensor, drafts: torch.Tensor, max_tokens: int
+) -> torch.Tensor:
+    """Accepted chain length of each step greedy decoding takes through the sample's first
+    answer, as vLLM serves the prompt before it: the prefill gives the answer's first token,
+    then each step drafts from the last token, accepts a and emits a + 1 tokens, until
+    ``max_tokens`` are generated or the answer's last token (its end of turn) is."""
+    answer_start = loss_mask.index(1)
+    answer_end = answer_start + 1
+    while answer_end < len(loss_mask) and loss_mask[answer_end]:
+        answer_end += 1
+    last, generated, lengths = answer_start, 1, []
+    while generated < max_tokens and last < answer_end - 1:
+        accepted = chain_length(token_ids, greedy, drafts, last - 1)
         lengths.append(accepted)
+        generated += accepted + 1
+        last += accepted + 1
     return torch.tensor(lengths, dtype=torch.long)
 
 
@@ -106,17 +138,37 @@ def summarize(lengths: torch.Tensor, steps: int) -> dict:
     }
 
 
-def evaluate(drafter, head: TargetHead, view_dir: Path, samples: list[tuple[int, list[int], list[int]]], steps: int) -> dict:
-    """``samples``: (row in the view, token ids, loss mask)."""
+def evaluate(
+    drafter,
+    head: TargetHead,
+    view_dir: Path,
+    samples: list[tuple[int, list[int], list[int]]],
+    steps: int,
+    served: dict,
+) -> dict:
+    """``samples``: (row in the view, token ids, loss mask); ``served``: the first ``requests``
+    samples' prompts and the ``max_tokens`` serve_check serves, which the decoding replay walks."""
     drafter.eval()
-    all_lengths = []
-    for row, token_ids, loss_mask in samples:
+    every_position, replayed = [], []
+    for index, (row, token_ids, loss_mask) in enumerate(samples):
         states = read_hidden_states(view_dir / "hidden_states" / view_file_name(row))
         ids = torch.tensor(token_ids)
         greedy = head.greedy(states[:, -1])
         drafts = draft_chains(drafter, ids, states[:, :-1], steps)
-        all_lengths.append(accepted_lengths(ids, torch.tensor(loss_mask), greedy, drafts))
-    return summarize(torch.cat(all_lengths), steps)
+        every_position.append(accepted_lengths(ids, torch.tensor(loss_mask), greedy, drafts))
+        if index < served["requests"]:
+            replayed.append(replayed_lengths(ids, loss_mask, greedy, drafts, served["max_tokens"]))
+    replay = torch.cat(replayed)
+    return {
+        **summarize(torch.cat(every_position), steps),
+        "decoding_replay": {
+            "requests": len(replayed),
+            "max_tokens": served["max_tokens"],
+            "drafts": int(replay.numel()),
+            "accepted_tokens": int(replay.sum()),
+            **summarize(replay, steps),
+        },
+    }
 
 
 def gate(results: dict, min_acceptance_length: float) -> dict:

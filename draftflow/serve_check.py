@@ -1,7 +1,8 @@
 """Serve the target with the trained drafter in vLLM, read its own acceptance counters and
 decide: vLLM must serve the drafter as it was trained (vocabulary map and norms, read from its
-files before the server starts; aux layers, from vLLM's log before any request), and its
-acceptance may fall short of the offline one by at most ``evaluate.max_served_shortfall``.
+files before the server starts; aux layers, from vLLM's log before any request), and the drafts
+it accepts per step may fall short of the evaluation's decoding replay on the same prompts (its
+prediction of these counters) by at most ``evaluate.max_served_shortfall``.
 """
 
 from __future__ import annotations
@@ -146,16 +147,19 @@ def file_problems(drafter: Path, trained: Path, target_vocab_size: int) -> list[
     return problems
 
 
-def shortfall_problem(offline: dict, served: dict, max_shortfall: float) -> str | None:
-    """Served acceptance below offline by more than ``max_shortfall`` of the offline length."""
-    shortfall = 1 - served["mean_acceptance_length"] / offline["mean_acceptance_length"]
-    if shortfall <= max_shortfall:
+def shortfall_problem(predicted: dict, served: dict, max_shortfall: float) -> str | None:
+    """Drafts vLLM accepted per step (mean acceptance length - 1) below the decoding replay's
+    prediction for the same prompts by more than ``max_shortfall`` of that prediction."""
+    expected = predicted["mean_acceptance_length"] - 1
+    accepted = served["mean_acceptance_length"] - 1
+    if expected <= 0 or (shortfall := 1 - accepted / expected) <= max_shortfall:
         return None
-    per_position = ", ".join(f"{k}: {o:.3f} offline, {s:.3f} served" for k, (o, s) in
-                             enumerate(zip(offline["acceptance_per_position"], served["acceptance_per_position"]), 1))  # fmt: skip
-    return (f"vLLM accepted a mean {served['mean_acceptance_length']:.3f} tokens per step against "
-            f"{offline['mean_acceptance_length']:.3f} offline, {100 * shortfall:.0f}% short, more than "
-            f"evaluate.max_served_shortfall {max_shortfall} (accepted through position {per_position})")  # fmt: skip
+    per_position = ", ".join(f"{k}: {p:.3f} predicted, {s:.3f} served" for k, (p, s) in
+                             enumerate(zip(predicted["acceptance_per_position"], served["acceptance_per_position"]), 1))  # fmt: skip
+    return (f"vLLM accepted {accepted:.3f} drafts per step (mean acceptance length {served['mean_acceptance_length']:.3f}) "
+            f"against {expected:.3f} predicted by replaying decoding offline on the same prompts, "
+            f"{100 * shortfall:.0f}% short, more than evaluate.max_served_shortfall {max_shortfall} "
+            f"(accepted through position {per_position})")  # fmt: skip
 
 
 def decide(result: dict, problems: list[str]) -> None:
@@ -165,15 +169,19 @@ def decide(result: dict, problems: list[str]) -> None:
 
 
 def plot_served_acceptance(offline: dict, served: dict, output: Path) -> None:
+    """The trained drafter's every-position acceptance, the decoding replay's prediction and
+    what vLLM served, per draft position."""
     plt = pyplot()
     positions = range(1, len(offline["acceptance_per_position"]) + 1)
-    figure, axis = plt.subplots(figsize=(6, 4))
-    width = 0.38
-    for offset, name, numbers in ((-width / 2, "offline", offline), (width / 2, "served by vLLM", served)):
+    figure, axis = plt.subplots(figsize=(7, 4))
+    width = 0.27
+    bars = (("offline, every position", offline), ("offline, decoding replay (predicts serving)", offline["decoding_replay"]),
+            ("served by vLLM", served))  # fmt: skip
+    for offset, (name, numbers) in zip((-width, 0, width), bars, strict=True):
         values = [100 * v for v in numbers["acceptance_per_position"]]
         label = f"{name} (mean acceptance length {numbers['mean_acceptance_length']:.2f})"
         axis.bar([p + offset for p in positions], values, width, label=label)
     axis.set(xlabel="draft position k", ylabel="drafts accepted through position k (%)",
              title="The trained drafter offline and served", xticks=list(positions), ylim=(0, 100))  # fmt: skip
-    axis.legend()
+    axis.legend(fontsize="small")
     save_png(figure, output)

@@ -23,6 +23,11 @@ rule evaluate:
         draft_tokens=config["evaluate"]["draft_tokens"],
         min_acceptance_length=config["evaluate"]["min_acceptance_length"],
         attention=config["train"]["attention"],
+        # what serve_check serves, for the decoding replay that predicts its counters
+        served={
+            "requests": config["evaluate"]["serve_check_requests"],
+            "max_tokens": config["generate"]["max_tokens"],
+        },
     script:
         "../scripts/evaluate.py"
 

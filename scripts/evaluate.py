@@ -36,7 +36,7 @@ with logged(snakemake.log[0]):
     for name, drafter_dir in (("trained", snakemake.input.drafter), ("untrained", snakemake.input.init)):
         check_layer_ids(read_json(Path(drafter_dir) / "config.json"), layer_ids, Path(drafter_dir))
         drafter = load_drafter(Path(drafter_dir), params.attention)
-        results[name] = evaluate(drafter, head, heldout, samples, params.draft_tokens)
+        results[name] = evaluate(drafter, head, heldout, samples, params.draft_tokens, params.served)
         print(name, results[name])
     results["gate"] = gate(results, params.min_acceptance_length)
     write_json(snakemake.output.evaluation, results)

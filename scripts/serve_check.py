@@ -25,5 +25,5 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
     write_json(snakemake.output.served, result)
     plot_served_acceptance(offline, result, Path(snakemake.output.plot))
     print(result)
-    shortfall = shortfall_problem(offline, result, params.max_served_shortfall)
+    shortfall = shortfall_problem(offline["decoding_replay"], result, params.max_served_shortfall)
     decide(result, [shortfall] if shortfall else [])

@@ -11,7 +11,9 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 from speculators.models.eagle3 import Eagle3DraftModel
 
+from draftflow.config import schema, with_defaults
 from draftflow.evaluate import LayerIdMismatch, check_layer_ids
+from tests.acceptance import assert_measured_acceptance, assert_served_as_replayed
 from tests.conftest import REPO, copy_demo_run, demo_config, snakemake
 
 pytestmark = pytest.mark.slow
@@ -32,26 +34,26 @@ def test_drafter_loads_and_matches_extraction_and_vocab(demo_run):
     assert model.target_layer_ids == plan["layer_ids"][:-1]
 
 
-# The demo drafter's mean acceptance length, offline and served: 2.890 and 2.682 in both
-# suite runs compared on 2026-12-01; 15% left for another machine's rounding in CPU training.
-MEASURED_ACCEPTANCE, SERVED_ACCEPTANCE, ACCEPTANCE_SPREAD = 2.890, 2.682, 0.15
+# The demo drafter's mean acceptance length, offline (every position) and served, per class of
+# host (tests/acceptance.py); 2.890 and 2.682 in both suite runs compared on 2026-12-01.
+MEASURED_ACCEPTANCE = {"AuthenticAMD AVX512+avx512_bf16": {"demo": (2.890, 2.682)}}
 
 
-def test_trained_drafter_beats_the_untrained_floor_and_passes_the_gate(demo_run):
+def test_trained_drafter_beats_the_untrained_floor_by_what_this_host_measured(demo_run):
+    # (the gate passed, or the run would have failed; the per-position shares fall by construction)
     evaluation = json.loads((demo_run / "evaluation/evaluation.json").read_text())
     trained, untrained = evaluation["trained"], evaluation["untrained"]
     assert trained["mean_acceptance_length"] > untrained["mean_acceptance_length"] + 0.5
-    assert trained["acceptance_per_position"] == sorted(trained["acceptance_per_position"], reverse=True)
-    assert evaluation["gate"]["passed"]
-    assert trained["mean_acceptance_length"] >= demo_config()["evaluate"]["min_acceptance_length"]
-    assert trained["mean_acceptance_length"] == pytest.approx(MEASURED_ACCEPTANCE, rel=ACCEPTANCE_SPREAD)
+    assert_measured_acceptance(demo_run, MEASURED_ACCEPTANCE, "demo", f"{__file__}: MEASURED_ACCEPTANCE")
     assert evaluation["heldout_samples"] > 0
 
 
-def test_vllm_serves_the_drafter_and_counts_acceptance(demo_run):
+def test_vllm_serves_the_drafter_as_the_decoding_replay_predicts(demo_run):
     served = json.loads((demo_run / "evaluation/served.json").read_text())
     assert served["drafts"] > 0
-    assert served["mean_acceptance_length"] == pytest.approx(SERVED_ACCEPTANCE, rel=ACCEPTANCE_SPREAD)
+    replay = assert_served_as_replayed(demo_run)
+    heldout = json.loads((demo_run / "evaluation/evaluation.json").read_text())["heldout_samples"]
+    assert replay["requests"] == min(heldout, with_defaults(demo_config(), schema())["evaluate"]["serve_check_requests"])
     trained_on = json.loads((demo_run / "hidden_states/plan.json").read_text())["layer_ids"][:-1]
     assert served["aux_layers"] == {"served": trained_on, "from": "the drafter's config"}  # as vLLM logged them
     assert (demo_run / "evaluation/served_acceptance.png").stat().st_size > 1000
