@@ -5,7 +5,8 @@ whether the model class implements ``SupportsEagle3``: vLLM returns the auxiliar
 hidden states extraction reads, and runs an EAGLE-3 drafter beside the target, only
 for those (``gpu_model_runner``: "Model does not support EAGLE3 interface"). Importing
 vLLM takes tens of seconds, so a subprocess asks once per vLLM build and architecture
-and the answers are kept in ``~/.cache/draftflow`` (``XDG_CACHE_HOME``).
+and the answers are kept in ``$DRAFTFLOW_CACHE_DIR``, else ``~/.cache/draftflow``
+(``XDG_CACHE_HOME``).
 """
 
 from __future__ import annotations
@@ -67,8 +68,12 @@ def vllm_build() -> str | None:
     return next(iter(vllm_builds()), None)
 
 
+CACHE_DIR_ENV = "DRAFTFLOW_CACHE_DIR"
+
+
 def cache_path() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftflow" / "vllm-architectures.json"
+    cache = os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftflow"
+    return Path(cache) / "vllm-architectures.json"
 
 
 def architecture_support(architectures: list[str], build: str) -> dict[str, ArchitectureSupport]:

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -15,8 +16,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from draftflow.vllm_registry import CACHE_DIR_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
+# The suite's own draftflow cache (issue 43): it leaves the user's ~/.cache/draftflow as it was.
+# Set here, in the process that starts the xdist workers, before it starts them: they share it.
+SUITE_CACHE = None if CACHE_DIR_ENV in os.environ else tempfile.mkdtemp(prefix="draftflow-suite-cache-")
+if SUITE_CACHE:
+    os.environ[CACHE_DIR_ENV] = SUITE_CACHE
 
 
 def demo_config(**overrides) -> dict:
@@ -288,6 +296,11 @@ def interrupted(signum, frame):
 def pytest_sessionfinish(session, exitstatus):
     for process in STARTED:
         stop_group(process)
+
+
+def pytest_unconfigure(config):
+    if SUITE_CACHE:
+        shutil.rmtree(SUITE_CACHE, ignore_errors=True)
 
 
 def complete_lines(path: Path) -> int:

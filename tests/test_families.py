@@ -21,7 +21,7 @@ from draftflow.extract.transformers_backend import TransformersExtractor, load_t
 from draftflow.layers import resolve_layer_ids
 from draftflow.target_model import TargetModelError, final_norm_module, read_target_model, weight_files
 from draftflow.train import DrafterShape, init_drafter
-from draftflow.vllm_registry import architecture_support, installed_version, vllm_build
+from draftflow.vllm_registry import CACHE_DIR_ENV, architecture_support, installed_version, vllm_build
 from draftflow.vllm_support import (
     WAYS_OUT,
     UnsupportedArchitecture,
@@ -165,7 +165,7 @@ def drafter_init_failure(folder: Path, vocab_size: int, aux_layer_ids: list[int]
 def test_the_support_decision_at_parse_time_is_vllms_own(twins, tmp_path, monkeypatch):
     """draftflow.vllm_support, asking vLLM as a run's parse does (its cache emptied), stops
     before any job on exactly the families whose class does not load here, naming the cause."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     families = matrix.vllm_families()
     architecture_support([family.architecture for family in families], vllm_build())  # one question for all
     wrong = {}

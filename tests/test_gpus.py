@@ -320,11 +320,13 @@ def test_default_profile_caps_gpus_at_the_local_devices_only_for_local_runs(monk
     assert set(cluster) == {"printshellcmds", "rerun-incomplete", "show-failed-logs"}
 
 
-def test_default_profile_sets_memory_for_every_rule(monkeypatch):
+def test_default_profile_sets_memory_for_every_rule(monkeypatch, tmp_path):
     local = render_default_profile(monkeypatch, ["-n"], "0")
     listed = subprocess.run(
-        [str(SNAKEMAKE), "--list-rules", "--workflow-profile", "none"], cwd=REPO, capture_output=True, text=True, check=True
-    ).stdout.split()
+        [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+         "--configfile", str(REPO / "config/config.yaml"), "--list-rules", "--workflow-profile", "none"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
     rules = set(listed) - {"all"}
     assert rules <= set(local["set-resources"]), rules - set(local["set-resources"])
     assert all(set(res) == {"mem_mb"} for res in local["set-resources"].values())

@@ -257,8 +257,9 @@ def test_slurm_profile_leaves_exactly_partition_account_and_gpu_model_to_fill_in
     assert GPU_RULES <= set(resources)
 
 
-def test_every_rule_that_runs_on_a_compute_node_has_slurm_resources():
-    listed = run([str(SNAKEMAKE), "--list-rules", "--workflow-profile", "none"], cwd=REPO, timeout=120)
+def test_every_rule_that_runs_on_a_compute_node_has_slurm_resources(tmp_path):
+    listed = run([str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path), "--configfile",
+                  str(REPO / "config/config.yaml"), "--list-rules", "--workflow-profile", "none"], timeout=120)  # fmt: skip
     rules = set(listed.stdout.split()) - {"all"}
     local = set()
     for smk in (REPO / "rules").glob("*.smk"):

@@ -14,7 +14,7 @@ from draftflow.vllm_support import (
     cpu_engine_problems,
     cpu_server_args,
 )
-from draftflow.vllm_registry import ArchitectureSupport, architecture_support, vllm_build
+from draftflow.vllm_registry import CACHE_DIR_ENV, ArchitectureSupport, architecture_support, vllm_build
 from tests.conftest import demo_config, snakemake
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8,
@@ -133,9 +133,9 @@ def test_an_architecture_without_supports_eagle3_stops_before_any_job_naming_vll
 
 
 def test_vllm_says_which_architectures_it_pairs_with_eagle3(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # asked of vLLM now, not read from earlier answers
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))  # asked of vLLM now, not read from earlier answers
     support = architecture_support(["LlamaForCausalLM", "Gemma3ForCausalLM", "NoSuchForCausalLM"], vllm_build())
-    assert len(json.loads((tmp_path / "draftflow/vllm-architectures.json").read_text())) == 3
+    assert len(json.loads((tmp_path / "vllm-architectures.json").read_text())) == 3
     assert support["LlamaForCausalLM"] == ArchitectureSupport(known=True, eagle3=True, error=None)
     assert support["Gemma3ForCausalLM"] == ArchitectureSupport(known=True, eagle3=False, error=None)
     assert not support["NoSuchForCausalLM"].known
