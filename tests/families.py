@@ -367,7 +367,9 @@ def family_rows(families, twins: dict[str, Path | str]) -> list[dict]:
         elif refused:
             cpu = "all but " + ", ".join(f"{stage} ({WAYS_OUT[stage]})" for stage in refused)
         else:
-            cpu = "every stage" if checked else "vLLM loads its class; no twin checks it here"
+            # "every stage" only where a workflow run ran them; the fast checks run none of them
+            cpu = ("every stage" if family.architecture in WORKFLOW_RUNS
+                   else "no known blocker (not run)" if checked else "vLLM loads its class; no twin checks it here")  # fmt: skip
         rows.append(
             {
                 "architecture": f"`{family.architecture}`",
