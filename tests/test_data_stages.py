@@ -7,9 +7,8 @@ import pytest
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
-from draftflow.config import load_config
 from draftflow.io import iter_jsonl
-from tests.conftest import REPO, demo_config, snakemake
+from tests.conftest import demo_config, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +64,8 @@ def test_generation_counts_the_flawed_answers_within_the_demos_share(demo_run):
     rows = list(iter_jsonl(demo_run / "synthetic/generated.jsonl"))
     max_tokens = demo_config()["generate"]["max_tokens"]
     assert stats["truncated"] == sum(row["loss_mask"].count(1) >= max_tokens for row in rows) <= 2
-    assert stats["flawed_answers"] <= load_config(REPO / "config/config.yaml")["generate"]["max_degenerate_fraction"] * len(rows)
+    # the share measured (0.15), not generate.max_degenerate_fraction (0.25): above that the run stops first
+    assert stats["flawed_answers"] <= 0.2 * len(rows)
     assert stats["answer_flaws"]["the same answer as to a different prompt"] >= stats["flawed_answers"] // 2
 
 

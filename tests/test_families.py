@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from draftflow.evaluate import TargetHead
 from draftflow.extract.fidelity import relative_errors
@@ -85,7 +86,6 @@ def test_the_matrix_lists_every_supports_eagle3_architecture_of_the_pinned_vllm(
     found = {family.architecture: family for family in matrix.vllm_families()}
     assert set(NAMED_FAMILIES) <= set(found), sorted(set(NAMED_FAMILIES) - set(found))
     assert "Gemma3ForConditionalGeneration" not in found and "Gemma3ForCausalLM" not in found
-    assert all(family.eagle3 for family in found.values())
     # The source reading agrees with vLLM's own supports_eagle3 wherever the class loads.
     loaded = [family for family in found.values() if family.loads]
     assert len(loaded) > 40
@@ -104,7 +104,9 @@ def test_every_family_has_a_twin_or_the_reason_none_can_be_built(twins):
     assert len(built) >= 45, reasons
     assert {"Qwen3VLForConditionalGeneration", "Mistral3ForConditionalGeneration", "Llama4ForConditionalGeneration",
             "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"} <= set(built)  # fmt: skip
-    assert all(reason.startswith("none: ") for reason in reasons.values())
+    # where no twin is built for want of a class, transformers has none under vLLM's name either
+    classless = {architecture for architecture, reason in reasons.items() if "has no class" in reason}
+    assert {architecture for architecture in classless if hasattr(transformers, architecture)} == set()
 
 
 def test_each_twin_resolves_gets_default_layer_ids_and_the_backend_states_transformers_gives(twins):

