@@ -15,12 +15,14 @@ import pytest
 import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
 
 from draftflow.config import schema, with_defaults
 from draftflow.extract import layout
 from draftflow.extract.hidden_states import read_hidden_states
 from draftflow.extract.shards import load_samples
 from draftflow.extract.transformers_backend import transformers_extractor
+from draftflow.serve_check import served_aux_layers
 from tests.acceptance import assert_measured_acceptance, assert_served_as_replayed
 from tests.conftest import demo_config, snakemake
 from tests.twins import build_twin
@@ -100,20 +102,25 @@ def read(run, path):
 
 def test_the_run_wrote_its_plan_before_any_job(twin_run):
     _, run = twin_run
-    plan = read(run, "run_plan.json")  # written as the run started (the target existed already)
-    assert plan["tokens"]["source"].startswith("estimated: prompt lengths and generate.max_tokens")
+    written = (run / "run_plan.json").stat().st_mtime  # as the run started (the target existed already)
+    outputs = [path for path in run.rglob("*") if path.is_file() and not path.name.startswith("run_plan.")]
+    assert outputs and written < min(path.stat().st_mtime for path in outputs)
+    plan = read(run, "run_plan.json")
     assert [(s["name"], s["jobs"], s["model_loads"]) for s in plan["stages"] if s["name"] == "extract_server"] == [
         ("extract_server", 1, 1)
     ]
     assert "| extract_server | 1 | 0 | 1 |" in (run / "run_plan.md").read_text()
 
 
-def test_layer_ids_fit_the_twins_layer_count(twin_run):
+def test_vllm_extracted_the_aux_layers_and_the_targets_last(twin_run):
+    """What vLLM's extraction server logged it returned: the configured aux layers, then the
+    target's last layer (its depth as transformers reads the config), one slot each in the files."""
     _, run = twin_run
-    plan = read(run, "hidden_states/plan.json")
-    assert plan["layer_ids"] == [1, 2, 3, 4]  # the aux layers, then the last layer before the final norm
-    manifest = read(run, "hidden_states/manifest.json")
-    assert manifest["layer_ids"] == [1, 2, 3, 4] and manifest["samples"] == plan["samples"]
+    depth = AutoConfig.from_pretrained(run.parents[1] / "target").get_text_config().num_hidden_layers
+    server_log = (run.parents[1] / "logs" / run.name / "extract_server-0.server.log").read_text()
+    assert served_aux_layers(server_log, depth) == ([1, 2, 3, depth], "the drafter's config")
+    first = next(iter(layout.hidden_state_files(run / "hidden_states")))
+    assert read_hidden_states(first).shape[1] == 4
 
 
 def test_the_states_vllm_extracted_and_the_answers_it_gave_are_transformers_own(twin_run):
