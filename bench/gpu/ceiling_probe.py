@@ -109,8 +109,9 @@ def decoder_modes(device, tokens: int, layers: int, reps: int, only: str | None 
         "use_cache": False,
         **packed_attention.packed_keywords(packed_attention.sample_offsets(lengths), device),
     }
-    # FLOPs the roofline counts per token: 2 x the layers' parameters (the embedding is a lookup)
+    # FLOPs the roofline counts per token: the matrix products' (the embedding is a lookup)
     layer_params = sum(p.numel() for p in decoder.layers.parameters())
+    flops_per_token = bench.matmul_flops_per_token(decoder)
     eager_forwards = [layer.forward for layer in decoder.layers]
     modes = {
         "eager": None,
@@ -140,7 +141,7 @@ def decoder_modes(device, tokens: int, layers: int, reps: int, only: str | None 
         seconds = statistics.median(times)
         out[name] = {"first_call_s": round(warm_s, 1), "seconds": seconds, "spread": [min(times), max(times)],
                      "tok_s_per_layer_stack": sum(lengths) / seconds,
-                     "layer_tflops": 2 * layer_params * sum(lengths) / seconds / 1e12,
+                     "layer_tflops": flops_per_token * sum(lengths) / seconds / 1e12,
                      # tokens/s of the 32 layers of the 8B shape at this rate
                      "tok_s_8b": sum(lengths) / seconds * layers / 32}  # fmt: skip
         bench.log(f"decoder {name}: {out[name]}")
@@ -209,7 +210,7 @@ def attention_kernels(device, tokens: int, layers: int, reps: int) -> dict:
     q = torch.randn(sum(lengths), heads, dim, device=device, dtype=torch.bfloat16)
     k, v = (torch.randn(sum(lengths), kv_heads, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
     expanded = [t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v)]
-    flops = 2 * heads * dim * sum(n * n for n in lengths)  # causal: half of 4 x heads x dim x n^2 per sample
+    flops = bench.attention_flops(lengths, 1, heads, dim)  # one layer's
     cu, longest = keywords["cu_seq_lens_q"], keywords["max_length_q"]
     first = list(zip(offsets[:4], offsets[1:5]))
     reference = [

@@ -26,10 +26,15 @@ One run measures, in this order, on the machine it runs on:
 Every timed region ends with ``os.sync()``. The target is a Llama of the
 chosen shape with random weights made on the device (nothing is downloaded);
 samples have random token ids and lognormal lengths (mean --mean-tokens).
-The roofline is the lower of 2 x parameters FLOPs per token at the measured
-sustained matrix rate and the measured disk bandwidth over the bytes written
-per token. The burst rate is recorded beside it: the card holds it only
-briefly, then lowers its clock to stay within its power limit.
+The roofline is the lower of the matrix products' FLOPs per token
+(``matmul_flops_per_token``: 2 x the decoder's parameters less the embedding,
+which is a lookup) at the measured sustained matrix rate and the measured disk
+bandwidth over the bytes written per token. Attention's FLOPs
+(``attention_flops``, causal, over these samples' lengths) are reported beside
+it, not in it. The extraction's ratio to the compute roofline is given at three
+rates side by side: the sustained rate, the burst rate (the card holds it only
+briefly, then lowers its clock to stay within its power limit) and the card's
+spec rate (``SPEC_TFLOPS``: dense bf16, without sparsity).
 
     python3 bench/gpu/extract_bench.py --shape 8b --out $OUT            # on the GPU
     .venv/bin/python bench/gpu/extract_bench.py --shape tiny --device cpu --samples 24 --mean-tokens 200  # smoke test
@@ -77,6 +82,28 @@ SHAPES = {
     "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384),
 }  # fmt: skip
+
+
+# the card's dense bf16 matrix rate from its spec sheet (without sparsity), TFLOP/s, by torch's device name
+SPEC_TFLOPS = {
+    "NVIDIA H200": 989.0,  # H200 SXM: 1,979 with 2:4 sparsity, 989 dense
+}
+
+
+def matmul_flops_per_token(decoder: torch.nn.Module) -> int:
+    """The matrix products' FLOPs per token of a decoder (no lm_head): 2 x its parameters less
+    the embedding's (a lookup, no product). The norms' few weights stay in (0.004% at the 8B
+    shape). Attention's products (queries x keys, weights x values) are not parameters:
+    ``attention_flops`` counts them."""
+    embedding = decoder.get_input_embeddings().weight.numel()
+    return 2 * (sum(p.numel() for p in decoder.parameters()) - embedding)
+
+
+def attention_flops(lengths: list[int], layers: int, heads: int, head_dim: int) -> int:
+    """Causal attention's FLOPs over samples of these lengths, each attending only to itself:
+    queries x keys and weights x values, 2 x 2 x heads x head_dim x n^2 per layer for a sample
+    of n tokens, halved by the causal mask."""
+    return 2 * layers * heads * head_dim * sum(n * n for n in lengths)
 
 
 def log(message: str) -> None:
@@ -302,7 +329,7 @@ def write_components(directory: Path, tokens: int, num_layers: int, hidden: int,
     return out
 
 
-def profile_batch(model, samples, layer_ids, args, device, decoder_params: int, embed_params: int) -> dict:
+def profile_batch(model, samples, layer_ids, args, device) -> dict:
     """GPU time of one token-budget batch by kernel kind (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -333,7 +360,7 @@ def profile_batch(model, samples, layer_ids, args, device, decoder_params: int, 
         )  # fmt: skip
         kinds[kind] = kinds.get(kind, 0.0) + time_us / 1e6
     padded = holder["extractor"].timings["padded_tokens"] // 2  # the warm-up run's and the profiled run's
-    matmul_flops = 2 * (decoder_params - embed_params) * padded
+    matmul_flops = matmul_flops_per_token(model.get_decoder()) * padded
     total = sum(kinds.values())
     return {
         "batch_samples": len(batch), "padded_tokens": padded, "real_tokens": sum(len(s.token_ids) for s in batch),
@@ -479,6 +506,7 @@ def main() -> None:
     parser.add_argument("--writers", type=int, default=8, help="run_shard's writer threads, extract.write_threads (and the disk test)")
     parser.add_argument("--run-seconds", type=float, default=40.0, help="size the runs so that one disk-bound run takes about this long")
     parser.add_argument("--sustain-seconds", type=float, default=20.0, help="how long the sustained matrix rate is measured")
+    parser.add_argument("--spec-tflops", type=float, default=None, help="the card's dense bf16 spec rate (default: SPEC_TFLOPS by its name)")
     parser.add_argument("--disk-gb", type=float, default=3.0, help="bytes per disk-bandwidth measurement")
     parser.add_argument("--scratch", type=Path, default=REPO / ".bench-scratch")
     parser.add_argument("--keep", action="store_true", help="keep the backend run's files (train_bench.py reads them)")
@@ -536,16 +564,28 @@ def main() -> None:
     started = time.perf_counter()
     model = build_model(args.shape, device, dtype)
     sync_device(device)
-    decoder_params = sum(p.numel() for p in model.get_decoder().parameters())
+    decoder = model.get_decoder()
+    decoder_params = sum(p.numel() for p in decoder.parameters())
     report["model"] = {"init_seconds": round(time.perf_counter() - started, 1), "decoder_parameters": decoder_params,
+                       "embedding_parameters": decoder.get_input_embeddings().weight.numel(),
                        "lm_head_parameters": model.lm_head.weight.numel()}  # fmt: skip
     log(f"model: {report['model']}")
     if device.type == "cuda":
-        flops_per_token = 2 * decoder_params
+        flops_per_token = matmul_flops_per_token(decoder)
+        heads = shape["num_attention_heads"]
+        attention = attention_flops([len(s.token_ids) for s in samples], shape["num_hidden_layers"], heads, hidden // heads)
+        spec = args.spec_tflops or SPEC_TFLOPS.get(report["machine"].get("gpu"))
+        rates = {"sustained": report["matmul"]["sustained_tflops"], "burst": report["matmul"]["burst"]["tflops"], "spec": spec}
         report["roofline"] = {
+            # the matrix products only; attention is beside it, not in it
             "flops_per_token": flops_per_token,
-            "compute_tok_s": report["matmul"]["sustained_tflops"] * 1e12 / flops_per_token,
-            "compute_burst_tok_s": report["matmul"]["burst"]["tflops"] * 1e12 / flops_per_token,
+            "flops_per_token_with_embedding": 2 * decoder_params,  # the count before 2026-12-04, for comparison
+            "attention_flops_per_token": attention / tokens,  # these samples' mean (it grows with their lengths)
+            "attention_over_matmul_flops": attention / tokens / flops_per_token,
+            "tflops": rates,  # spec: SPEC_TFLOPS (dense bf16, no sparsity) or --spec-tflops; None when unknown
+            "compute_tok_s": rates["sustained"] * 1e12 / flops_per_token,
+            "compute_burst_tok_s": rates["burst"] * 1e12 / flops_per_token,
+            "compute_spec_tok_s": spec * 1e12 / flops_per_token if spec else None,
             "disk_gb_s": disk_gb_s,
             "disk_tok_s": disk_gb_s * 1e9 / bytes_per_token,
         }
@@ -563,9 +603,7 @@ def main() -> None:
 
     runs = report.setdefault("runs", {})
     try:
-        report["compute_profile"] = profile_batch(
-            model, samples, layer_ids, args, device, decoder_params, model.get_decoder().embed_tokens.weight.numel()
-        )
+        report["compute_profile"] = profile_batch(model, samples, layer_ids, args, device)
         log(f"compute profile (one batch): {report['compute_profile']}")
     except Exception as error:  # noqa: BLE001 - a profiler problem must not cost the measurements
         report["compute_profile"] = {"error": repr(error)}
@@ -593,9 +631,7 @@ def main() -> None:
     report["compile_seconds"] = round(time.perf_counter() - started, 1)
     log(f"compiled the decoder layers in {report['compile_seconds']} s")
     try:
-        report["compute_profile_compiled"] = profile_batch(
-            model, samples, layer_ids, args, device, decoder_params, model.get_decoder().embed_tokens.weight.numel()
-        )
+        report["compute_profile_compiled"] = profile_batch(model, samples, layer_ids, args, device)
         log(f"compute profile, compiled (one batch): {report['compute_profile_compiled']}")
     except Exception as error:  # noqa: BLE001
         report["compute_profile_compiled"] = {"error": repr(error)}
@@ -644,8 +680,13 @@ def main() -> None:
             "roofline_compute_tok_s": report["roofline"]["compute_tok_s"],
             "roofline_disk_tok_s": report["roofline"]["disk_tok_s"],
             "roofline_compute_burst_tok_s": report["roofline"]["compute_burst_tok_s"],
+            "roofline_compute_spec_tok_s": report["roofline"]["compute_spec_tok_s"],
             "extract_default_over_lower_roofline": runs["backend"]["tok_s"] / lower,
-            "extract_default_over_burst_compute_roofline": runs["backend"]["tok_s"] / report["roofline"]["compute_burst_tok_s"],
+            # the default over the compute roofline (matrix FLOPs only) at each rate, side by side
+            "extract_default_over_compute_roofline": {
+                rate: runs["backend"]["tok_s"] / report["roofline"][key] if report["roofline"][key] else None
+                for rate, key in (("sustained", "compute_tok_s"), ("burst", "compute_burst_tok_s"), ("spec", "compute_spec_tok_s"))
+            },
             "backend_eager_over_roofline": runs["backend_eager"]["tok_s"] / lower,
             "compute_compiled_over_compute_roofline": runs["compute_compiled"]["tok_s"] / report["roofline"]["compute_tok_s"],
         }

@@ -19,7 +19,7 @@ the last job's end; tokens/s = all the samples' tokens over it. The same is
 run with one job over all the samples (``--gpus 1,2``). The disk's synced
 write bandwidth is measured with 8 threads (one job's writers) and 16 (two
 jobs'). The lower roofline of the host in each storage is the lower of the
-jobs' compute rooflines added up (2 x decoder parameters FLOPs per token at
+jobs' compute rooflines added up (``matmul_flops_per_token``: the matrix products, at
 each GPU's measured matrix rate) and the disk's synced bandwidth over that
 storage's bytes per token (``draftflow.extract.layout.hidden_state_bytes``).
 
@@ -89,7 +89,7 @@ def extract_worker(args) -> None:
     import torch
 
     from draftflow.extract.transformers_backend import compile_decoder_layers
-    from extract_bench import build_model, matmul_ceiling, run_backend, run_compute, sync_device
+    from extract_bench import build_model, matmul_ceiling, matmul_flops_per_token, run_backend, run_compute, sync_device
 
     sync = args.sync
     result: dict = {"part": args.part, "parts": args.parts, "pid": os.getpid()}
@@ -115,6 +115,7 @@ def extract_worker(args) -> None:
         model = build_model(args.shape, device, getattr(torch, args.dtype))
         sync_device(device)
         result["decoder_parameters"] = sum(p.numel() for p in model.get_decoder().parameters())
+        result["matmul_flops_per_token"] = matmul_flops_per_token(model.get_decoder())
         result["build_seconds"] = round(now() - started, 1)
         if device.type == "cuda":
             result["matmul"] = matmul_ceiling(device, sustain_seconds=10)
@@ -278,7 +279,7 @@ def extract_main(args) -> None:
             "distinct_gpus": len({tuple(c) for c in two["claimed"]}) == 2,
         }
         disk_gb_s = max(d["gb_s"] for d in section["disk_before"])
-        compute_tok_s = sum(job["matmul"]["sustained_tflops"] * 1e12 / (2 * job["decoder_parameters"]) for job in two["jobs"] if "matmul" in job)
+        compute_tok_s = sum(job["matmul"]["sustained_tflops"] * 1e12 / job["matmul_flops_per_token"] for job in two["jobs"] if "matmul" in job)
         rooflines = {storage: min(compute_tok_s, disk_gb_s * 1e9 / per_token) for storage, per_token in bytes_per_token.items()}
         section["summary"] |= {
             "extract_2gpu_over_1gpu_fp8": two["backend_fp8"]["tok_s"] / one["backend_fp8"]["tok_s"],
