@@ -15,7 +15,7 @@ import torch
 
 # The flags past torch's capability that change which kernels oneDNN runs in 16 bits
 ROUNDING_FLAGS = ("avx512_bf16", "amx_bf16")
-SPREAD = 0.02  # between runs on one class: the same to three decimals, seen twice each
+SPREAD = 0.02  # between runs on one class of host: the same to three decimals where run twice
 
 
 def cpu_flags() -> tuple[str, set[str]]:
