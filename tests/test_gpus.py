@@ -18,7 +18,7 @@ import pytest
 import yte
 
 from draftflow import gpus, job_placement
-from tests.conftest import REPO, SNAKEMAKE
+from tests.conftest import REPO, demo_config, snakemake
 
 PYTHON = sys.executable
 
@@ -322,11 +322,7 @@ def test_default_profile_caps_gpus_at_the_local_devices_only_for_local_runs(monk
 
 def test_default_profile_sets_memory_for_every_rule(monkeypatch, tmp_path):
     local = render_default_profile(monkeypatch, ["-n"], "0")
-    listed = subprocess.run(
-        [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
-         "--configfile", str(REPO / "config/config.yaml"), "--list-rules", "--workflow-profile", "none"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
+    listed = snakemake(tmp_path, demo_config(), "--list-rules", "--workflow-profile", "none").stdout.split()
     rules = set(listed) - {"all"}
     assert rules <= set(local["set-resources"]), rules - set(local["set-resources"])
     assert all(set(res) == {"mem_mb"} for res in local["set-resources"].values())

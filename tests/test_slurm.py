@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from draftflow import run_folder
-from tests.conftest import REPO, SNAKEMAKE, demo_config
+from tests.conftest import REPO, SNAKEMAKE, demo_config, snakemake
 
 SLURM_SH = REPO / ".ci/slurm.sh"
 PROFILE = REPO / "profiles/slurm"
@@ -258,8 +258,7 @@ def test_slurm_profile_leaves_exactly_partition_account_and_gpu_model_to_fill_in
 
 
 def test_every_rule_that_runs_on_a_compute_node_has_slurm_resources(tmp_path):
-    listed = run([str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path), "--configfile",
-                  str(REPO / "config/config.yaml"), "--list-rules", "--workflow-profile", "none"], timeout=120)  # fmt: skip
+    listed = snakemake(tmp_path, demo_config(), "--list-rules", "--workflow-profile", "none")
     rules = set(listed.stdout.split()) - {"all"}
     local = set()
     for smk in (REPO / "rules").glob("*.smk"):
