@@ -8,6 +8,7 @@ import pytest
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
+from draftflow.answer_checks import MIN_TOKENS_FOR_REPEATS
 from draftflow.io import iter_jsonl
 from tests.conftest import demo_config, snakemake
 
@@ -60,7 +61,7 @@ def test_generation_counts_the_flawed_answers_the_rows_hold(demo_run):
     """The demo's answers: most flaws the same memorised answer to two phrasings of one question
     (36 of 240 on the hosts of 2026-12-01, 54 here on 2026-12-04; the same bytes twice on each),
     now and then one cut at generate.max_tokens. The counts are the rows' own, recounted here from
-    generated.jsonl: an answer of 8 tokens or more given to more than one prompt."""
+    generated.jsonl: an answer long enough to count repeats given to more than one prompt."""
     stats = json.loads((demo_run / "synthetic/stats.json").read_text())
     rows = list(iter_jsonl(demo_run / "synthetic/generated.jsonl"))
     max_tokens = demo_config()["generate"]["max_tokens"]
@@ -70,7 +71,7 @@ def test_generation_counts_the_flawed_answers_the_rows_hold(demo_run):
     prompts_of = defaultdict(set)
     for answer, prompt in split:
         prompts_of[answer].add(prompt)
-    shared = sum(len(answer) >= 8 and len(prompts_of[answer]) > 1 for answer, _ in split)
+    shared = sum(len(answer) >= MIN_TOKENS_FOR_REPEATS and len(prompts_of[answer]) > 1 for answer, _ in split)
     assert shared > 0 and stats["answer_flaws"]["the same answer as to a different prompt"] == shared
     assert shared <= stats["flawed_answers"] <= sum(stats["answer_flaws"].values())
 
