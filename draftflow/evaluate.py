@@ -103,6 +103,12 @@ def accepted_lengths(
     return torch.tensor([chain_length(token_ids, greedy, drafts, j) for j in starts], dtype=torch.long)
 
 
+def answer_start(loss_mask: list[int]) -> int:
+    """Where a sample's first answer begins: serve_check sends the tokens before it as the
+    prompt, and the decoding replay starts there."""
+    return loss_mask.index(1)
+
+
 def replayed_lengths(
     token_ids: torch.Tensor, loss_mask: list[int], greedy: torch.Tensor, drafts: torch.Tensor, max_tokens: int
 ) -> torch.Tensor:
@@ -110,11 +116,11 @@ def replayed_lengths(
     answer, as vLLM serves the prompt before it: the prefill gives the answer's first token,
     then each step drafts from the last token, accepts a and emits a + 1 tokens, until
     ``max_tokens`` are generated or the answer's last token (its end of turn) is."""
-    answer_start = loss_mask.index(1)
-    answer_end = answer_start + 1
+    first = answer_start(loss_mask)
+    answer_end = first + 1
     while answer_end < len(loss_mask) and loss_mask[answer_end]:
         answer_end += 1
-    last, generated, lengths = answer_start, 1, []
+    last, generated, lengths = first, 1, []
     while generated < max_tokens and last < answer_end - 1:
         accepted = chain_length(token_ids, greedy, drafts, last - 1)
         lengths.append(accepted)

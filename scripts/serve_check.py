@@ -2,6 +2,7 @@ from pathlib import Path
 
 from datasets import load_from_disk
 
+from draftflow.evaluate import answer_start
 from draftflow.gpus import claim_gpus
 from draftflow.io import read_json, write_json
 from draftflow.rule_log import logged
@@ -10,7 +11,7 @@ from draftflow.serve_check import decide, plot_served_acceptance, serve_check, s
 params = snakemake.params
 with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
     heldout = load_from_disk(snakemake.input.heldout).with_format(None)
-    prompts = [ids[: mask.index(1)] for ids, mask in zip(heldout["input_ids"], heldout["loss_mask"], strict=True)]
+    prompts = [ids[: answer_start(mask)] for ids, mask in zip(heldout["input_ids"], heldout["loss_mask"], strict=True)]
     result = serve_check(
         snakemake.input.target,
         Path(snakemake.input.drafter),
