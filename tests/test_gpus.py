@@ -18,7 +18,7 @@ import pytest
 import yte
 
 from draftflow import gpus, job_placement
-from tests.conftest import REPO, demo_config, snakemake
+from tests.conftest import REPO, SNAKEMAKE, demo_config, snakemake
 
 PYTHON = sys.executable
 
