@@ -38,12 +38,13 @@ sys.path.insert(0, str(REPO))
 from draftflow.answers import answer_store, conversation_key  # noqa: E402
 from draftflow.config import load_config  # noqa: E402
 from draftflow.extract import layout  # noqa: E402
-from draftflow.extract.layout import ExtractionSettings, Sample  # noqa: E402
-from draftflow.fingerprint import target_fingerprint  # noqa: E402
+from draftflow.dependencies import run_extraction_settings, run_generation_key  # noqa: E402
+from draftflow.extract.layout import Sample  # noqa: E402
 from draftflow.io import write_jsonl  # noqa: E402
 from draftflow.layers import resolve_layer_ids  # noqa: E402
 from draftflow.plan import build_plan, load_rates  # noqa: E402
 from draftflow.prompts import select_prompts  # noqa: E402
+from draftflow.target_model import read_target_model  # noqa: E402
 
 BEFORE, AFTER = 10_000, 12_000
 TOKENS_PER_SAMPLE, PROMPT_TOKENS = 1449, 100
@@ -72,10 +73,10 @@ def reference_folder(workdir: Path) -> tuple[dict, Path]:
 def leave_the_first_run(workdir: Path, config: dict, target: Path) -> None:
     """The answers and hidden-state files of the 10,000-sample run, as it leaves them."""
     rng = random.Random(0)
-    data, generate = config["data"], config["generate"]
+    data = config["data"]
     first, _ = select_prompts([Path(p) for p in data["prompt_files"]], BEFORE, config["seed"], data["on_bad_row"])
     run_dir = workdir / "results" / config["run"]
-    store = answer_store(run_dir / "synthetic/work", target, generate["max_tokens"], generate["temperature"], config["seed"])
+    store = answer_store(run_dir / "synthetic/work", run_generation_key(config, read_target_model(target)))
     samples, rows = [], []
     for conversation in first:
         ids = [rng.randrange(TARGET["vocab_size"]) for _ in range(TOKENS_PER_SAMPLE)]
@@ -86,7 +87,7 @@ def leave_the_first_run(workdir: Path, config: dict, target: Path) -> None:
     write_jsonl(store, rows)
     extract = config["extract"]
     layer_ids = resolve_layer_ids(extract["layer_ids"], TARGET["num_hidden_layers"])
-    settings = ExtractionSettings(extract["backend"], tuple(layer_ids), config["target"]["dtype"], target_fingerprint(target), extract["storage"])
+    settings = run_extraction_settings(config, read_target_model(target), layer_ids)
     hs_dir = run_dir / "hidden_states"
     journals: dict[int, list[str]] = {}
     for sample in samples:

@@ -9,12 +9,10 @@ library only: the plan reads it too.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from draftflow.fingerprint import target_fingerprint
 from draftflow.prompts import content_hash
 
 
@@ -63,18 +61,22 @@ def complete_length(path: Path, block: int = 1 << 16) -> int:
     return 0
 
 
-def answer_store(work_dir: Path, target: str | Path, max_tokens: int, temperature: float, seed: int) -> Path:
-    """The answers of every conversation asked of this target with these settings,
-    in any run of this folder, keyed by each conversation's content
+def answer_store(work_dir: Path, key: str) -> Path:
+    """The answers of every conversation asked under the generation ``key``
+    (``draftflow.dependencies.generation_key``: the target, the server's flags, the
+    sampling settings) in any run of this folder, by each conversation's content
     (``conversation_key``): a rerun asks only the conversations it lacks, wherever
     they sit in the prompts now.
 
     It is not a declared output, so Snakemake keeps it when the job fails or the
-    prompts change; other settings or another target use another store.
+    prompts change; another key uses another store.
     """
-    shaping = [target_fingerprint(target), str(Path(target).resolve()), max_tokens, temperature, seed]
-    key = hashlib.sha256(json.dumps(shaping).encode()).hexdigest()[:16]
     return work_dir / f"answers-{key}.jsonl"
+
+
+def other_stores(store: Path) -> list[Path]:
+    """The answer stores beside ``store`` under other keys."""
+    return sorted(path for path in store.parent.glob("answers-*.jsonl") if path.name.count(".") == 1 and path != store)
 
 
 def conversation_key(conversation: dict) -> str:

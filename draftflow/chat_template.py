@@ -37,10 +37,14 @@ def served_template(tokenizer, target: str, given: str | None) -> tuple[str, str
     tokenizer has none."""
     if given is None:
         return f"the tokenizer's own ({tokenizer_template_file(target)})", tokenizer.chat_template
+    where = f"the file {given}" if Path(given).is_file() else "the text given inline"
+    return f"{where} (vllm.extra_args {FLAG})", flag_text(given)
+
+
+def flag_text(given: str) -> str:
+    """The template a ``--chat-template`` value gives: a file's text, or the value itself."""
     path = Path(given)
-    if path.is_file():
-        return f"the file {given} (vllm.extra_args {FLAG})", path.read_text()
-    return f"the text given inline (vllm.extra_args {FLAG})", given
+    return path.read_text() if path.is_file() else given
 
 
 def digest(text: str | None) -> str | None:

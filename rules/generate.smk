@@ -16,11 +16,12 @@ rule generate:
     resources:
         gpu=0 if config["generate"]["endpoint"] else gpus_per_server(),
     params:
+        depends=depends_on("generate"),
         code=code_version("generate"),
         endpoint=config["generate"]["endpoint"],
         api_key_env=config["generate"]["api_key_env"],
         work_dir=result("synthetic/work"),
-        server=vllm_server_params(generation_server_args()),
+        server=vllm_server_params(generation_server_flags(config, TARGET_MODEL)),
         settings={
             "max_tokens": config["generate"]["max_tokens"],
             "temperature": config["generate"]["temperature"],

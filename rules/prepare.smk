@@ -14,6 +14,7 @@ rule prepare:
     conda:
         CONDA_ENV
     params:
+        depends=depends_on("prepare"),
         code=code_version("prepare"),
         max_seq_length=config["prepare"]["max_seq_length"],
         minimum_valid_tokens=config["prepare"]["minimum_valid_tokens"],

@@ -11,6 +11,7 @@ rule prompts:
     conda:
         CONDA_ENV
     params:
+        depends=depends_on("prompts"),
         code=code_version("prompts"),
         num_samples=config["data"]["num_samples"],
         seed=config["seed"],

@@ -21,6 +21,7 @@ rule provenance:
     conda:
         CONDA_ENV
     params:
+        depends=depends_on("provenance"),
         workflow_dir=workflow.basedir,
         code=code_version("provenance"),
         target_hub=TARGET_SOURCE.hub_record(),

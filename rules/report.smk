@@ -41,6 +41,7 @@ rule report:
     conda:
         CONDA_ENV
     params:
+        depends=depends_on("report"),
         code=code_version("report"),
         run=RUN,
         compared={run: f"results/{run}" for run in config["report"]["compare_runs"]},

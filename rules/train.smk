@@ -17,6 +17,7 @@ rule drafter_init:
     conda:
         CONDA_ENV
     params:
+        depends=depends_on("drafter_init"),
         code=code_version("drafter_init"),
         drafter_shape={
             "num_layers": config["train"]["num_layers"],
@@ -42,6 +43,7 @@ rule train_views:
     conda:
         CONDA_ENV
     params:
+        depends=depends_on("train_views"),
         code=code_version("train_views"),
         heldout_fraction=config["train"]["heldout_fraction"],
         seed=config["seed"],
@@ -65,6 +67,7 @@ rule train:
     resources:
         gpu=config["train"]["gpus"] if config["device"] == "cuda" else 0,
     params:
+        depends=depends_on("train"),
         code=code_version("train"),
         settings=train_settings(),
         work_dir=result("train/work"),

@@ -18,6 +18,7 @@ rule vocab_map:
     conda:
         CONDA_ENV
     params:
+        depends=depends_on("vocab_map"),
         code=code_version("vocab_map"),
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
         coverage_sizes=config["vocab"]["coverage_sizes"],

@@ -11,7 +11,7 @@ with logged(snakemake.log[0]):
     manifests = [read_json(shard_manifest_path(output_dir, shard)) for shard in shards]
     summary = {
         key: manifests[0][key]
-        for key in ("backend", "dtype", "storage", "layer_ids", "hidden_size", "target", "target_fingerprint", "num_shards")
+        for key in ("backend", "dtype", "storage", "layer_ids", "hidden_size", "target", "model_identity", "num_shards")
     }
     for key in ("samples", "tokens", "bytes"):
         summary[key] = sum(m[key] for m in manifests)

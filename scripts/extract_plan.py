@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from draftflow.extract.layout import ExtractionSettings
+from draftflow.dependencies import extraction_settings
 from draftflow.extract.shards import (
     check_free_space,
     load_samples,
@@ -8,7 +8,6 @@ from draftflow.extract.shards import (
     remove_stale_shards,
     reusable_samples,
 )
-from draftflow.fingerprint import target_fingerprint
 from draftflow.io import write_json
 from draftflow.layers import resolve_layer_ids
 from draftflow.rule_log import logged
@@ -21,12 +20,13 @@ with logged(snakemake.log[0]):
     removed = remove_stale_shards(output_dir, params.shards, params.servers)
     if removed:
         print(f"{params.shards} shards on {params.servers} server jobs now: removed stale {removed}")
-    settings = ExtractionSettings(
-        backend=params.backend,
-        layer_ids=tuple(resolve_layer_ids(params.layer_ids, target.num_layers)),
-        dtype=params.dtype,
-        target_fingerprint=target_fingerprint(snakemake.input.target),
-        storage=params.storage,
+    settings = extraction_settings(
+        params.backend,
+        resolve_layer_ids(params.layer_ids, target.num_layers),
+        params.dtype,
+        params.storage,
+        Path(snakemake.input.target),
+        params.server_args,
     )
     samples = load_samples(Path(snakemake.input.dataset))
     reused = reusable_samples(output_dir, samples, params.shards, settings)

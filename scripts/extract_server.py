@@ -12,7 +12,7 @@ params = snakemake.params
 with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
     plan = read_json(snakemake.input.plan)
     target = snakemake.input.target
-    settings = ExtractionSettings(**{**plan["settings"], "layer_ids": tuple(plan["settings"]["layer_ids"])})
+    settings = ExtractionSettings.from_record(plan["settings"])
     manifests = run_server(
         plan,
         int(snakemake.wildcards.server),

@@ -2,6 +2,7 @@ from functools import partial
 from pathlib import Path
 
 from draftflow.answers import answer_store
+from draftflow.dependencies import generation_key
 from draftflow.generate import (
     GenerationSettings,
     ask_unanswered,
@@ -16,7 +17,8 @@ params = snakemake.params
 with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
     settings = GenerationSettings(**params.settings)
     conversations = Path(snakemake.input.conversations)
-    store = answer_store(Path(params.work_dir), snakemake.input.target, settings.max_tokens, settings.temperature, settings.seed)
+    key = generation_key(Path(snakemake.input.target), params.server["args"], settings.max_tokens, settings.temperature, settings.seed)
+    store = answer_store(Path(params.work_dir), key)
     server_log = None if params.endpoint else Path(snakemake.log.server)
     start_server = partial(vllm_server, snakemake.input.target, log_path=server_log, **params.server)
     endpoint = partial(target_endpoint, params.endpoint, params.api_key_env, start_server)

@@ -72,6 +72,19 @@ def snakemake(
 WORKFLOW_FILES = ("Snakefile", "rules", "scripts", "draftflow", "demo", "config", "envs", "profiles", "pyproject.toml")
 
 
+def plan_before_running(workdir: Path, config: dict, workflow: Path = REPO) -> dict:
+    """What ``python -m draftflow.plan`` (the workflow's, the checkout's or a copy's) says
+    a run of ``config`` in ``workdir`` will redo, before it runs: its JSON."""
+    config_path = workdir / f"config-{config['run']}.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "draftflow.plan", "--configfile", str(config_path), "--directory", str(workdir),
+               "--gpus", "0", "--json"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(workflow), os.environ.get("PYTHONPATH")]))}
+    process = subprocess.run(command, capture_output=True, text=True, env=env, cwd=workdir)
+    assert process.returncode == 0, process.stderr
+    return json.loads(process.stdout)
+
+
 def workflow_copy(folder: Path) -> Path:
     """The workflow's code copied into ``folder``, for a test that edits it: the
     checkout, which other tests and runs execute, stays as it is."""

@@ -197,14 +197,6 @@ def test_speculators_fp8_reader_takes_the_files_and_each_value_is_within_fp8_rou
     assert (error <= torch.maximum(states.abs() * 2**-4, scale * 2**-10) * 1.0001).all()
 
 
-def test_full_storage_keeps_the_journal_key_it_had_before_fp8():
-    full = ExtractionSettings("vllm", (2, 4, 8), "bfloat16", "fp")
-    before = hashlib.sha256(json.dumps({"backend": "vllm", "layer_ids": [2, 4, 8], "dtype": "bfloat16",
-                                        "target_fingerprint": "fp"}).encode()).hexdigest()[:16]  # fmt: skip
-    assert full.key() == ExtractionSettings("vllm", (2, 4, 8), "bfloat16", "fp", "full").key() == before
-    assert ExtractionSettings("vllm", (2, 4, 8), "bfloat16", "fp", "fp8").key() != before
-
-
 class ExtractorFails(RuntimeError):
     pass
 

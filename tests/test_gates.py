@@ -9,11 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftflow.answers import answer_store, conversation_key
 from draftflow.evaluate import gate, gate_failure
 from draftflow.extract.fidelity import REFERENCE_RECORD, compare, fidelity_failure
-from draftflow.fingerprint import target_fingerprint
-from draftflow.generate import EARLY_ANSWERS, GenerationSettings
+from draftflow.generate import EARLY_ANSWERS
 from draftflow.vllm_server import free_port
 from tests.conftest import complete_lines, copy_demo_run, demo_config, snakemake
 
@@ -38,42 +36,6 @@ def test_the_fidelity_gate_names_the_layer_beyond_the_tolerance():
     failure = fidelity_failure(result)
     assert "at layer 4: 0.1 (1 samples)" in failure and "layer 2" not in failure and "layer 8" not in failure
     assert fidelity_failure(compare(reference, other, [2, 4, 8], tolerance=0.2)) is None
-
-
-def test_the_target_fingerprint_follows_config_and_tokenizer_not_weights_or_mtimes(tmp_path):
-    target = tmp_path / "target"
-    target.mkdir()
-    (target / "config.json").write_text(json.dumps({"hidden_size": 8}))
-    (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
-    (target / "model.safetensors").write_bytes(b"weights")
-    first = target_fingerprint(target)
-    (target / "model.safetensors").write_bytes(b"other weights")
-    (target / "config.json").touch()
-    assert target_fingerprint(target) == first
-    (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages | length }}"}))
-    assert target_fingerprint(target) != first
-    second = target_fingerprint(target)
-    (target / "config.json").write_text(json.dumps({"hidden_size": 16}))
-    assert target_fingerprint(target) not in (first, second)
-
-
-def test_answers_are_stored_by_target_and_settings_and_found_by_content(tmp_path):
-    targets = []
-    for name in ("t", "other-target"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text(json.dumps({"name": name}))
-        targets.append(str(tmp_path / name))
-    settings = GenerationSettings(max_tokens=64, temperature=0.0, concurrency=4, max_retries=1, seed=0,
-                                  reasoning_end_marker="</think>", max_error_fraction=0.0, max_degenerate_fraction=0.25)  # fmt: skip
-    store = lambda target, s: answer_store(tmp_path, target, s.max_tokens, s.temperature, s.seed)  # noqa: E731
-    same = store(targets[0], settings)
-    assert store(targets[0], GenerationSettings(**{**settings.__dict__, "concurrency": 8})) == same
-    for change in ({"max_tokens": 65}, {"temperature": 0.5}, {"seed": 1}):
-        assert store(targets[0], GenerationSettings(**{**settings.__dict__, **change})) != same
-    assert store(targets[1], settings) != same
-    question = {"id": "q1", "messages": [{"role": "user", "content": "hi"}]}
-    assert conversation_key({**question, "id": "renamed"}) == conversation_key(question)
-    assert conversation_key({**question, "messages": [{"role": "user", "content": "hi!"}]}) != conversation_key(question)
 
 
 @pytest.mark.slow

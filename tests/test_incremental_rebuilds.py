@@ -1,19 +1,25 @@
 """Partial rebuilds reuse a sample's work only for that sample (issue 22).
 
-A tiny target (the Qwen3-MoE twin) answers a start config; four edits follow it:
-more samples, a prompt file added, another temperature, a shorter
-``prepare.max_seq_length``. Each edit runs twice: on a copy of the start run's
-folder (incremental: what a user's second run does) and in a fresh folder
-(clean). The tests open the files both leave: the hidden states that training
-and evaluation read hold their rows' tokens; generation asked, and extraction
+A tiny target (the Qwen3-MoE twin) answers a start config; edits follow it: more
+or fewer samples, a prompt file added or edited in place, another temperature, a
+shorter ``prepare.max_seq_length`` (each also run in a fresh folder: clean), and
+edits of what the data is made with (issue 42): the target's
+``chat_template.jinja`` edited, ``--chat-template`` added to ``vllm.extra_args``,
+the target's weights replaced by others of the same shapes. Each edit runs on a
+copy of the start run's folder with its Snakemake records (incremental: what a
+user's second run does); the target is a folder inside it (``target.path:
+target``), edited in place there, so the copy is also a moved run and target.
+The tests open the files the runs leave: the hidden states that training and
+evaluation read hold their rows' tokens; generation asked, and extraction
 computed, exactly the conversations and samples the edit made new; and the
 incremental run's files are the clean run's, byte for byte. The edits touch the
 stages up to the training views; one of them (more samples) runs on through
 training and evaluation, to show that the same views train the same drafter.
 
-Every run generates through one vLLM server of the module (``generate.endpoint``,
+Every run generates through a vLLM server of the module (``generate.endpoint``,
 started with the flags the workflow gives its own), so its request counter says
-exactly what each run asked, and no run pays a server start. Generation asks one
+exactly what each run asked, and no run pays a server start; the template edits
+ask a second one, which renders with the edited template. Generation asks one
 conversation at a time and extraction (the transformers backend) computes one
 sample at a time, so that no answer or state depends on which others shared its
 batch: a clean run and an incremental run batch differently by design.
@@ -41,7 +47,7 @@ from draftflow.report import read_benchmark
 from draftflow.run_folder import STAGE
 from draftflow.vllm_server import server_env, target_server_args, vllm_server
 from tests.compare import assert_same_files
-from tests.conftest import demo_config, snakemake
+from tests.conftest import demo_config, plan_before_running, snakemake
 from tests.twins import build_twin
 
 pytestmark = pytest.mark.slow
@@ -57,11 +63,17 @@ RUN = "edit"
 # looks at).
 EVALUATION, VIEWS = f"results/{RUN}/evaluation/evaluation.json", f"results/{RUN}/training_data/split.json"
 PROMPTS, MORE_PROMPTS = "prompts.jsonl", "more-prompts.jsonl"  # in each run's folder, as a user keeps them
-EDITS = ("num_samples_grown", "prompt_file_added", "temperature_changed", "max_seq_length_lowered")
-# checked for what they redo and for the files training would read (run up to the training
-# views), not against a clean run
-EDITS_NOT_RUN_CLEAN = ("num_samples_shrunk", "prompt_edited_in_place")
+TARGET = "target"  # in each run's folder too: an edit of the target is made in place, in the copy
+TEMPLATE = "brief.jinja"  # the edited chat template, for --chat-template
+EDITS = ("num_samples_grown", "num_samples_shrunk", "prompt_file_added", "prompt_edited_in_place",
+         "temperature_changed", "max_seq_length_lowered")  # fmt: skip
+# edits of what the data is made with: checked for what they redo and for the files training
+# would read (run up to the training views), not against a clean run
+TARGET_EDITS = ("chat_template_edited", "chat_template_flag_added", "weights_replaced")
+TEMPLATE_EDITS = ("chat_template_edited", "chat_template_flag_added")  # asked of the module's second server
 EDITS_RUN_TO_EVALUATION = ("num_samples_grown",)  # the others stop at the training views
+# edits after which generation answers every conversation again (another answer store)
+NEW_ANSWER_STORE = ("temperature_changed", *TARGET_EDITS)
 
 
 def questions(prefix: str, modules) -> list[dict]:
@@ -71,32 +83,53 @@ def questions(prefix: str, modules) -> list[dict]:
     ]
 
 
+def brief(template: str) -> str:
+    """The chat template with a line before every prompt: every prompt renders otherwise."""
+    return "Be brief.\n" + template
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory) -> Path:
-    """The target and two prompt files, shared by every run of the module."""
+    """The target, the target with the edited template, and two prompt files, shared by
+    every run of the module."""
     lab = tmp_path_factory.mktemp("incremental")
-    build_twin("qwen3_moe", lab / "target")
+    build_twin("qwen3_moe", lab / TARGET)
+    shutil.copytree(lab / TARGET, lab / "templated-target")
+    (lab / TEMPLATE).write_text(brief((lab / TARGET / "chat_template.jinja").read_text()))
+    shutil.copy(lab / TEMPLATE, lab / "templated-target/chat_template.jinja")
     write_jsonl(lab / PROMPTS, questions("q", MODULES[:24]))
     write_jsonl(lab / MORE_PROMPTS, questions("r", MODULES[24:]))
     return lab
 
 
 def new_folder(lab: Path, name: str) -> Path:
-    """A run's own folder, with its own copy of the prompt files."""
+    """A run's own folder, with its own copy of the prompt files and the target."""
     folder = lab / name
     folder.mkdir()
     for prompts in (PROMPTS, MORE_PROMPTS):
         shutil.copy(lab / prompts, folder / prompts)
+    shutil.copytree(lab / TARGET, folder / TARGET)
     return folder
+
+
+def serve(lab: Path, target: str):
+    """``lab/target`` served as the workflow serves it for generation; its base URL."""
+    settings = config(lab, "unused")
+    args = target_server_args(settings["vllm"], dtype="float32", device="cpu", seed=settings["seed"], trust_remote_code=False)
+    env = server_env(settings["vllm"], "cpu")
+    return vllm_server(str(lab / target), args, lab / f"{target}.server.log", health_timeout_s=600, env=env)
 
 
 @pytest.fixture(scope="module")
 def server(lab) -> str:
-    """The target served as the workflow serves it for generation; its base URL."""
-    settings = config(lab, "unused")
-    args = target_server_args(settings["vllm"], dtype="float32", device="cpu", seed=settings["seed"], trust_remote_code=False)
-    env = server_env(settings["vllm"], "cpu")
-    with vllm_server(str(lab / "target"), args, lab / "server.log", health_timeout_s=600, env=env) as url:
+    with serve(lab, TARGET) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def templated_server(lab) -> str:
+    """The target with its template edited (TEMPLATE), as a user restarts their endpoint after the edit."""
+    with serve(lab, "templated-target") as url:
         yield url
 
 
@@ -110,7 +143,7 @@ def requests_served(url: str) -> int:
 def config(lab: Path, endpoint: str, **overrides) -> dict:
     base = demo_config(
         run=RUN,
-        target={"path": str(lab / "target")},
+        target={"path": TARGET},
         data={"prompt_files": [PROMPTS], "num_samples": 16},
         vllm={"max_model_len": 512},
         # the twin's answers run to the end of max_tokens: flawed by design
@@ -151,19 +184,24 @@ def edit_overrides(edit: str, lab: Path, start: Path) -> dict:
         return {}
     if edit == "temperature_changed":
         return {"generate": {"temperature": 0.8}}
+    if edit in ("chat_template_edited", "weights_replaced"):
+        return {}
+    if edit == "chat_template_flag_added":
+        return {"vllm": {"extra_args": ["--chat-template", str(lab / TEMPLATE)]}}
     lengths = sorted(len(ids) for ids in prepared_rows(start).values())
     return {"prepare": {"max_seq_length": lengths[len(lengths) // 2]}}  # cuts about half of the rows
 
 
 @pytest.fixture(scope="module")
-def edit_runs(lab, server, start):
+def edit_runs(lab, server, start, request):
     """Each edit of the start config, run once when a test first asks for it: on a copy
     of the start's folder (incremental) and, for EDITS, in a fresh folder (clean)."""
     done = {}
 
     def run(edit: str) -> dict:
         if edit not in done:
-            done[edit] = run_edit(edit, lab, server, start, clean=edit in EDITS)
+            url = request.getfixturevalue("templated_server") if edit in TEMPLATE_EDITS else server
+            done[edit] = run_edit(edit, lab, url, start, clean=edit in EDITS)
         return done[edit]
 
     return run
@@ -174,23 +212,35 @@ def edited(request, edit_runs) -> dict:
     return edit_runs(request.param)
 
 
-@pytest.fixture(params=EDITS + EDITS_NOT_RUN_CLEAN)
+@pytest.fixture(params=EDITS + TARGET_EDITS)
 def any_edit(request, edit_runs) -> dict:
     return edit_runs(request.param)
+
+
+def edit_in_place(edit: str, lab: Path, folder: Path, start: Path) -> None:
+    """What the edit changes in a run's folder besides its config: a prompt file, or the target."""
+    if edit == "prompt_edited_in_place":
+        edit_two_questions(folder / PROMPTS, list(asked_conversations(start))[:2])
+    elif edit == "chat_template_edited":
+        shutil.copy(lab / TEMPLATE, folder / TARGET / "chat_template.jinja")
+    elif edit == "weights_replaced":  # a fine-tune saved over the old weights: same names and shapes
+        build_twin("qwen3_moe", lab / "other-weights", seed=1)
+        shutil.copy(lab / "other-weights/model.safetensors", folder / TARGET / "model.safetensors")
 
 
 def run_edit(edit: str, lab: Path, server: str, start: Path, clean: bool) -> dict:
     """The edited config run incrementally (and clean); the requests the incremental run made."""
     edited_config = config(lab, server, **edit_overrides(edit, lab, start))
     incremental = copy_of(start, lab / f"incremental-{edit}")
-    if edit == "prompt_edited_in_place":
-        edit_two_questions(incremental / PROMPTS, list(asked_conversations(start))[:2])
+    edit_in_place(edit, lab, incremental, start)
     target = EVALUATION if edit in EDITS_RUN_TO_EVALUATION else VIEWS
+    plan = plan_before_running(incremental, edited_config)
     served = requests_served(server)
     snakemake(incremental, edited_config, target)
-    run = {"edit": edit, "incremental": incremental, "start": start, "requests": requests_served(server) - served}
+    run = {"edit": edit, "incremental": incremental, "start": start, "requests": requests_served(server) - served, "plan": plan}
     if clean:
         run["clean"] = new_folder(lab, f"clean-{edit}")
+        edit_in_place(edit, lab, run["clean"], start)
         snakemake(run["clean"], edited_config, target)
     return run
 
@@ -234,7 +284,7 @@ def asked_conversations(folder: Path) -> dict[str, list]:
 def test_generation_asked_and_extraction_computed_exactly_what_the_edit_made_new(any_edit):
     run, start, edit = any_edit["incremental"], any_edit["start"], any_edit["edit"]
     before, now = asked_conversations(start), asked_conversations(run)
-    answered_before = [] if edit == "temperature_changed" else list(before.values())
+    answered_before = [] if edit in NEW_ANSWER_STORE else list(before.values())
     new_conversations = [c for c, messages in now.items() if messages not in answered_before]
     assert any_edit["requests"] == len(new_conversations)  # the server's count: one request per single-turn question
     generate_log = run / f"logs/{RUN}/generate.log"
@@ -245,9 +295,10 @@ def test_generation_asked_and_extraction_computed_exactly_what_the_edit_made_new
         assert f"{len(now)} conversations: {len(now) - len(new_conversations)} answered before" in generate
         assert f", {len(new_conversations)} to ask" in generate
         assert bool(re.search(r"Pipeline complete in [\d.]+s", generate)) == bool(new_conversations)  # the client ran
+        assert ("1 other answer store(s) beside it" in generate) == (edit in NEW_ANSWER_STORE)
 
     old_rows, new_rows = prepared_rows(start), prepared_rows(run)
-    changed = {s for s, ids in new_rows.items() if old_rows.get(s) != ids}
+    changed = {s for s, ids in new_rows.items() if old_rows.get(s) != ids or edit == "weights_replaced"}
     extracted = sum(int(n) for n in re.findall(r"samples already on disk, (\d+) to extract", log(run, "extract_server-0")))
     assert extracted == len(changed)
     hs_before, hs_now = results(start) / "hidden_states", results(run) / "hidden_states"
@@ -264,15 +315,21 @@ def test_generation_asked_and_extraction_computed_exactly_what_the_edit_made_new
         assert not changed and not new_conversations and len(new_rows) < len(old_rows)
     elif edit == "prompt_edited_in_place":
         assert 0 < len(new_conversations) <= 2 and 0 < len(changed) <= 2
+    elif edit in TARGET_EDITS:  # every answer asked again, every sample extracted again; the prompts kept
+        assert len(new_conversations) == len(now) and changed == set(new_rows) == set(old_rows)
+        sampled = "prompts/conversations.jsonl"
+        assert (results(run) / sampled).stat().st_mtime_ns == (results(start) / sampled).stat().st_mtime_ns
 
-    plan = json.loads((results(run) / "run_plan.json").read_text())  # written as the rerun started
-    stages = {s["name"]: s for s in plan["stages"]}
-    assert (stages["generate"]["reused"], stages["generate"]["computed"]) == (len(now) - len(new_conversations), len(new_conversations))
-    assert (stages["extract_server"]["reused"], stages["extract_server"]["computed"]) == (len(new_rows) - len(changed), len(changed))
-    assert plan["tokens"]["samples"] == len(new_rows)
-    assert stages["generate"]["model_loads"] == 0  # generate.endpoint: the module's server
-    assert (stages["generate"]["seconds"] == 0) == (not new_conversations)
-    assert (stages["extract_server"]["model_loads"] == 0) == (not changed)
+    # python -m draftflow.plan before the rerun, and the plan the rerun wrote as it started
+    for plan in (any_edit["plan"], json.loads((results(run) / "run_plan.json").read_text())):
+        stages = {s["name"]: s for s in plan["stages"]}
+        assert (stages["generate"]["reused"], stages["generate"]["computed"]) == (len(now) - len(new_conversations), len(new_conversations))
+        assert (stages["extract_server"]["reused"], stages["extract_server"]["computed"]) == (len(new_rows) - len(changed), len(changed))
+        assert plan["tokens"]["samples"] == len(new_rows)
+        assert stages["generate"]["model_loads"] == 0  # generate.endpoint: the module's server
+        assert (stages["generate"]["seconds"] == 0) == (not new_conversations)
+        assert (stages["extract_server"]["model_loads"] == 0) == (not changed)
+        assert (stages["extract_server"]["seconds"] > 0) == bool(changed)  # the hours it costs
 
 
 def test_the_incremental_run_makes_the_clean_runs_files(edited):
@@ -348,8 +405,9 @@ SCALED_STAGES = ("generate", "prepare", "extract_server", "train")
 def test_the_plan_from_another_runs_rates_foretells_a_larger_clean_run(lab, edit_runs, tmp_path):
     grown = edit_runs("num_samples_grown")
     clean, start = grown["clean"], grown["start"]
-    for prompts in (PROMPTS, MORE_PROMPTS):  # the folder as it was before the clean run: prompts only
+    for prompts in (PROMPTS, MORE_PROMPTS):  # the folder as it was before the clean run: prompts and target
         shutil.copy(clean / prompts, tmp_path / prompts)
+    shutil.copytree(clean / TARGET, tmp_path / TARGET)
     config = load_config(clean / f"config-{RUN}.yaml")
     plan = build_plan(config, tmp_path / f"results/{RUN}", rates_from_run(results(start)), free_bytes=10**12, local_gpus=0)
     stages = {stage.name: stage for stage in plan.stages}

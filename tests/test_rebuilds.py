@@ -1,4 +1,5 @@
-"""Partial rebuilds: an edit reruns exactly the stages that depend on it (README table)."""
+"""Partial rebuilds: an edit reruns exactly the stages that depend on it, as
+draftflow.dependencies says (the README's table)."""
 
 import json
 import re
@@ -6,10 +7,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from datasets import load_from_disk
+from safetensors import safe_open
 
+from draftflow.dependencies import reruns
+from draftflow.extract import layout
 from draftflow.extract.shards import remove_stale_shards
 from draftflow.vllm_server import START_MARKER
-from tests.conftest import REPO, copy_demo_run, demo_config, snakemake, workflow_copy
+from tests.conftest import REPO, copy_demo_run, demo_config, plan_before_running, snakemake, workflow_copy
 
 pytestmark = pytest.mark.slow
 
@@ -40,31 +45,19 @@ def settled(workdir, demo_run):
     return workdir
 
 
-@pytest.mark.parametrize(
-    ("overrides", "expected"),
-    [
-        ({"train": {"lr": 0.001}}, {"train", "evaluate", "serve_check", "report", "provenance"}),
-        ({"train": {"epochs": 9}}, {"train", "evaluate", "serve_check", "report", "provenance"}),
-        ({"train": {"ttt_steps": 4}}, {"train", "evaluate", "serve_check", "report", "provenance"}),
-        (
-            {"vocab": {"draft_vocab_size": 64}},
-            {"vocab_map", "drafter_init", "train", "evaluate", "serve_check", "report", "provenance"},
-        ),
-        (
-            {"extract": {"layer_ids": [1, 3, 5]}},
-            {"extract_plan", "fidelity_reference", "extract_server", "extract", "fidelity", "drafter_init",
-             "train_views", "train", "evaluate", "serve_check", "report", "provenance"},
-        ),  # fmt: skip
-        ({"evaluate": {"min_acceptance_length": 1.5}}, {"evaluate", "serve_check", "report", "provenance"}),
-        ({"extract": {"fidelity": "never"}}, {"fidelity_reference", "fidelity", "report", "provenance"}),
-        ({"generate": {"temperature": 0.5}}, FROM_GENERATE),
-    ],
-    ids=["train.lr", "train.epochs", "train.ttt_steps", "vocab.draft_vocab_size",
-         "extract.layer_ids", "evaluate.min_acceptance_length", "extract.fidelity", "generate.temperature"],  # fmt: skip
-)
-def test_config_edit_reruns_exactly_its_stages(settled, overrides, expected):
-    jobs = planned_jobs(settled, demo_config(**overrides))
-    assert set(jobs) == expected
+EDITED_VALUES = {
+    "train.lr": 0.001, "train.epochs": 9, "train.ttt_steps": 4, "vocab.draft_vocab_size": 64,
+    "extract.layer_ids": [1, 3, 5], "evaluate.min_acceptance_length": 1.5, "extract.fidelity": "never",
+    "generate.temperature": 0.5,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("key", EDITED_VALUES)
+def test_config_edit_reruns_exactly_its_stages(settled, key):
+    """The stages draftflow.dependencies says the key reruns, against Snakemake's job table."""
+    section, name = key.split(".")
+    jobs = planned_jobs(settled, demo_config(**{section: {name: EDITED_VALUES[key]}}))
+    assert set(jobs) == set(reruns((key,)))
     if "extract_server" in jobs:  # "(all)": every server job, each redoing all of its shards
         assert jobs["extract_server"] == json.loads((settled / "results/demo/hidden_states/plan.json").read_text())["servers"]
 
@@ -74,6 +67,7 @@ def test_new_prompt_file_reruns_everything(settled):
     extra.write_text('{"id": "new-1", "messages": [{"role": "user", "content": "Explain `os.sep`."}]}\n')
     files = demo_config()["data"]["prompt_files"] + [str(extra)]
     assert planned_rules(settled, demo_config(data={"prompt_files": files})) == {"prompts"} | FROM_GENERATE
+    assert {"prompts"} | FROM_GENERATE == set(reruns(("data.prompt_files",)))
 
 
 def test_editing_training_code_reruns_training_not_generation(settled, tmp_path):
@@ -182,3 +176,35 @@ def test_a_new_fidelity_tolerance_reruns_the_comparison_and_leaves_the_reference
     fidelity = json.loads((results / "fidelity/fidelity.json").read_text())
     assert fidelity["tolerance"] == tolerance and fidelity["passed"]
     assert {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in kept} == before
+
+
+def test_editing_the_connector_extracts_every_sample_again_and_asks_nothing(tmp_path, demo_run):
+    """The README's row, by the files a real rerun leaves: the demo with its records
+    (.snakemake/metadata) copied, run up to the extraction's manifest by a copy of the
+    workflow whose vLLM connector (the module vLLM's server loads) is edited."""
+    run, workflow = tmp_path / "run", tmp_path / "workflow"
+    for part in ("resources", "results/demo", "benchmarks/demo", ".snakemake/metadata"):
+        shutil.copytree(demo_run.parents[1] / part, run / part, symlinks=True)
+    workflow.mkdir()
+    connector = workflow_copy(workflow) / "draftflow/extract/vllm_connector.py"
+    connector.write_text(connector.read_text() + "\n# an edit\n")
+    results = run / "results/demo"
+    files = {path: path.stat().st_mtime_ns for path in layout.hidden_state_files(results / "hidden_states")}
+    kept = [results / name for name in ("prompts/conversations.jsonl", "synthetic/generated.jsonl", "prepared/stats.json")]
+    before = {path: path.stat().st_mtime_ns for path in kept}
+    before_running = plan_before_running(run, demo_config(), workflow)  # python -m draftflow.plan
+    snakemake(run, demo_config(), "results/demo/hidden_states/manifest.json", workflow=workflow)
+    for plan in (before_running, json.loads((results / "run_plan.json").read_text())):
+        stages = {stage["name"]: stage for stage in plan["stages"]}
+        assert stages["generate"]["computed"] == 0 and stages["generate"]["model_loads"] == 0
+        assert (stages["extract_server"]["reused"], stages["extract_server"]["computed"]) == (0, len(files))
+        assert stages["extract_server"]["seconds"] > 0  # the hours it costs
+    now = {path: path.stat().st_mtime_ns for path in layout.hidden_state_files(results / "hidden_states")}
+    assert set(now) == set(files) and all(now[path] != mtime for path, mtime in files.items())
+    assert {path: path.stat().st_mtime_ns for path in kept} == before
+    assert not (run / "logs/demo/generate.log").exists() and not (run / "logs/demo/prepare.log").exists()
+    rows = load_from_disk(str(results / "prepared/dataset")).with_format(None)
+    for sample_id, token_ids in zip(rows["sample_id"], rows["input_ids"], strict=True):
+        shard = layout.shard_of(sample_id, demo_config()["extract"]["shards"])
+        with safe_open(str(layout.shard_dir(results / "hidden_states", shard) / layout.file_name(sample_id)), "pt") as states:
+            assert states.get_tensor("token_ids").tolist() == token_ids, sample_id

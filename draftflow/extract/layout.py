@@ -34,19 +34,26 @@ HEADER_BYTES_MAX = 320  # safetensors' JSON header for the two (fp8: three) tens
 
 @dataclass(frozen=True)
 class ExtractionSettings:
-    """Everything that determines a shard's file contents."""
+    """Everything that determines a shard's file contents (draftflow.dependencies.extraction_settings
+    builds it): the journal's first line holds its key."""
 
     backend: str
     layer_ids: tuple[int, ...]
     dtype: str
-    target_fingerprint: str
+    model_identity: str  # draftflow.fingerprint.model_identity
     storage: str = "full"
+    code: str = ""  # the extraction code's version
+    builds: tuple[tuple[str, str], ...] = ()  # (package, version) of what runs it
+    server_flags: tuple[str, ...] = ()  # the vllm backend's server, as its flags shape the states
 
     def key(self) -> str:
-        # Full storage keeps the key it had before fp8 existed: an upgrade must not
-        # re-extract shards whose files are still right.
-        fields = {k: v for k, v in asdict(self).items() if k != "storage" or v != "full"}
-        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(asdict(self)).encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_record(cls, record: dict) -> ExtractionSettings:
+        """The settings plan.json records (JSON has lists where these are tuples)."""
+        tuples = {"layer_ids": tuple(record["layer_ids"]), "server_flags": tuple(record.get("server_flags", ()))}
+        return cls(**{**record, **tuples, "builds": tuple(map(tuple, record.get("builds", ())))})
 
 
 def shard_of(sample_id: str, num_shards: int) -> int:

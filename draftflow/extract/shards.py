@@ -312,7 +312,7 @@ def shard_manifest(
         "layer_ids": list(settings.layer_ids),
         "hidden_size": hidden_size,
         "target": str(Path(target).resolve()),
-        "target_fingerprint": settings.target_fingerprint,
+        "model_identity": settings.model_identity,
         "samples": len(records),
         "tokens": sum(r.tokens for r in records),
         "bytes": sum(r.bytes for r in records),
