@@ -9,11 +9,14 @@ library only: the plan reads it too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from draftflow.fingerprint import target_fingerprint
 from draftflow.prompts import content_hash
+from draftflow.server_flags import keyed_server_flags
 
 
 def iter_complete_lines(path: Path) -> Iterator[dict]:
@@ -61,10 +64,18 @@ def complete_length(path: Path, block: int = 1 << 16) -> int:
     return 0
 
 
+def generation_key(target: Path, server_args: list[str], max_tokens: int, temperature: float, seed: int) -> str:
+    """The answer store's key (listed in draftflow.dependencies): the target (model,
+    tokenizer, chat template, sampling defaults), the server's flags as they shape
+    answers, and the sampling settings. No path: a copied or moved target or run
+    folder finds its answers."""
+    shaping = [target_fingerprint(target), keyed_server_flags(server_args), max_tokens, temperature, seed]
+    return hashlib.sha256(json.dumps(shaping).encode()).hexdigest()[:16]
+
+
 def answer_store(work_dir: Path, key: str) -> Path:
     """The answers of every conversation asked under the generation ``key``
-    (``draftflow.dependencies.generation_key``: the target, the server's flags, the
-    sampling settings) in any run of this folder, by each conversation's content
+    (``generation_key``) in any run of this folder, by each conversation's content
     (``conversation_key``): a rerun asks only the conversations it lacks, wherever
     they sit in the prompts now.
 

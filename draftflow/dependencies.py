@@ -8,30 +8,32 @@ outputs of the stages before it; its rule's code is its ``code`` param
 - every rule's ``depends`` param (``stage_depends``): the values of what the
   stage reads, so Snakemake reruns it when one changes, the target's weights
   overwritten in place included;
-- the answer store's key (``generation_key``): what makes the target answer
-  otherwise;
-- the extraction journal's key (``extraction_settings``): what makes a
-  hidden-state file's bytes, the extraction code and the packages that run it
-  included;
-- the README's rebuild table (``draftflow.rebuild_table``, which keeps the rows
-  apart: editing them reruns no job whose script imports this module).
+- the answer store's key (``answers.generation_key``): what makes the target
+  answer otherwise;
+- the extraction journal's key (``extract.journal_key.extraction_settings``):
+  what makes a hidden-state file's bytes, the extraction code and the packages
+  that run it included;
+- the README's rebuild table (``draftflow.rebuild_table``).
+
+The two keys are built beside the formats they key (the server's part in
+``server_flags``), so that the generate and extract_plan jobs' code versions
+cover their own stage's modules, not this one; the plan computes them as those
+jobs do (``run_generation_key``, ``run_extraction_settings``).
 
 Standard library only: Snakemake's parse and the plan read it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftflow import chat_template
+from draftflow.answers import generation_key
+from draftflow.extract.journal_key import extraction_code, extraction_settings
 from draftflow.extract.layout import ExtractionSettings
 from draftflow.fingerprint import model_identity, target_fingerprint, tokenizer_identity
-from draftflow.provenance import PACKAGE_ROOT, code_version
+from draftflow.server_flags import UNKEYED_SERVER_FLAGS
 from draftflow.target_model import TargetModel
-from draftflow.vllm_registry import installed_version, vllm_builds
 from draftflow.vllm_support import generation_server_flags, target_server_flags
 
 
@@ -92,14 +94,15 @@ STAGES = {
 # here too.
 NO_EFFECT = {
     "run": "names the run's folders; another run is another folder",
-    "target.path": "the target counts by what it holds (draftflow.fingerprint), not where it lies: a copied or moved target is the same",
+    "target.path": "the target counts by what it holds (draftflow.fingerprint), not where it lies: "
+    "a copied or moved target is the same",
     "vllm.host": "where the server listens",
     "vllm.port": "where the server listens",
     "vllm.health_timeout_s": "how long a server start may take",
     "vllm.cpu_kvcache_space_gib": "the KV cache's room: how many requests run at once, not what they compute",
     "vllm.cpu_single_process": "whether vLLM's engine runs in its own process",
-    "vllm.data_parallel_size": "replicas of one model answer alike; it spreads the requests",
-    "vllm.max_model_len": "the room for a prompt and its answer: an answer that fits is the same (one that does not is an error, asked again)",
+    "vllm.data_parallel_size": UNKEYED_SERVER_FLAGS["--data-parallel-size"],
+    "vllm.max_model_len": UNKEYED_SERVER_FLAGS["--max-model-len"],
     "generate.endpoint": "who serves the target; its answers are keyed as the config describes that server",
     "generate.api_key_env": "the credential that opens the endpoint",
     "generate.concurrency": "requests in flight at once",
@@ -119,14 +122,6 @@ NO_EFFECT = {
     "plan.rates": "the plan's estimate only",
     "plan.stop_if_short": "a gate: the run does not start without room",
 }  # fmt: skip
-
-# Server flags that change no answer; ``--chat-template`` counts by the text it gives.
-UNKEYED_SERVER_FLAGS = {
-    "--data-parallel-size": NO_EFFECT["vllm.data_parallel_size"],
-    "--max-model-len": NO_EFFECT["vllm.max_model_len"],
-    "--enforce-eager": "CUDA graphs replay the same kernels",
-}
-
 
 def leaves(config: dict, key: str) -> dict:
     """``key``'s value, or each of its section's leaves, by dotted key."""
@@ -149,7 +144,11 @@ def target_identities(target: Path | None) -> dict[str, str]:
     builds the target, and Snakemake's mtimes follow the rule that builds it."""
     if target is None:
         return dict.fromkeys(("model", "tokenizer", "target"), "built by the workflow")
-    return {"model": model_identity(target), "tokenizer": tokenizer_identity(target), "target": target_fingerprint(target)}
+    return {
+        "model": model_identity(target),
+        "tokenizer": tokenizer_identity(target),
+        "target": target_fingerprint(target),
+    }
 
 
 def stage_depends(config: dict, stage: str, identities: dict[str, str]) -> dict:
@@ -167,62 +166,7 @@ def stage_depends(config: dict, stage: str, identities: dict[str, str]) -> dict:
 # -- generation -----------------------------------------------------------------------
 
 
-def keyed_server_flags(server_args: list[str]) -> list[str]:
-    """A generation server's flags as they shape answers: UNKEYED_SERVER_FLAGS out, the
-    ``--chat-template`` value replaced by the sha256 of the text it gives."""
-    keyed, skip = [], False
-    for position, arg in enumerate(server_args):
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        takes_value = "=" not in arg and position + 1 < len(server_args) and not server_args[position + 1].startswith("--")
-        if name in UNKEYED_SERVER_FLAGS:
-            skip = takes_value
-            continue
-        if name == chat_template.FLAG:
-            keyed.append(f"{name}=sha256:{chat_template.digest(chat_template.flag_text(chat_template.flag_value(server_args)))}")
-            skip = takes_value
-            continue
-        keyed.append(arg)
-    return keyed
-
-
-def generation_key(target: Path, server_args: list[str], max_tokens: int, temperature: float, seed: int) -> str:
-    """The answer store's key: the target (model, tokenizer, chat template, sampling
-    defaults), the server's flags as they shape answers, and the sampling settings.
-    No path: a copied or moved target or run folder finds its answers."""
-    shaping = [target_fingerprint(target), keyed_server_flags(server_args), max_tokens, temperature, seed]
-    return hashlib.sha256(json.dumps(shaping).encode()).hexdigest()[:16]
-
-
 # -- extraction -----------------------------------------------------------------------
-
-EXTRACTION_PACKAGES = {"vllm": ("torch", "transformers"), "transformers": ("torch", "transformers")}
-
-
-def extraction_code(backend: str) -> dict:
-    """The code and package builds that make a hidden-state file's bytes: the backend's
-    modules (the connector vLLM's server loads included) and the shard writer's."""
-    modules = [PACKAGE_ROOT / "extract" / f"{backend}_backend.py", PACKAGE_ROOT / "extract" / "shards.py"]
-    builds = {name: installed_version(name) or "not installed" for name in EXTRACTION_PACKAGES[backend]}
-    if backend == "vllm":
-        builds["vllm"] = ", ".join(vllm_builds()) or "not installed"
-    return {"code": "+".join(code_version(module) for module in modules), "builds": builds}
-
-
-def extraction_settings(
-    backend: str, layer_ids: list[int], dtype: str, storage: str, target: Path, server_args: list[str]
-) -> ExtractionSettings:
-    """What makes a shard's files (the journal's settings key is its hash): the model,
-    the layers, dtype and storage, the extraction code and packages, and for the vllm
-    backend its server's flags as they shape answers (the chat template aside: the
-    server is given token ids)."""
-    code = extraction_code(backend)
-    flags = [flag for flag in keyed_server_flags(server_args) if not flag.startswith(chat_template.FLAG)]
-    return ExtractionSettings(backend, tuple(layer_ids), dtype, model_identity(target), storage, code["code"],
-                              tuple(sorted(code["builds"].items())), tuple(flags) if backend == "vllm" else ())  # fmt: skip
-
 
 def run_generation_key(config: dict, target: TargetModel) -> str:
     """The key a run of ``config`` stores its answers under, as its generate job computes it."""
@@ -235,7 +179,8 @@ def run_extraction_settings(config: dict, target: TargetModel, layer_ids: list[i
     """The settings a run of ``config`` extracts under, as its extract_plan job makes them."""
     extract = config["extract"]
     flags = target_server_flags(config, target)
-    return extraction_settings(extract["backend"], layer_ids, config["target"]["dtype"], extract["storage"], target.folder, flags)
+    dtype = config["target"]["dtype"]
+    return extraction_settings(extract["backend"], layer_ids, dtype, extract["storage"], target.folder, flags)
 
 
 def downstream(stages: set[str]) -> set[str]:

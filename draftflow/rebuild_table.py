@@ -10,7 +10,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from draftflow.dependencies import NO_EFFECT, STAGES, UNKEYED_SERVER_FLAGS, downstream, reruns, stages_reading
+from draftflow.dependencies import NO_EFFECT, STAGES, downstream, reruns, stages_reading
+from draftflow.server_flags import UNKEYED_SERVER_FLAGS
+
 
 @dataclass(frozen=True)
 class Rebuild:
@@ -108,12 +110,12 @@ def render_rebuild_table() -> str:
 def render_no_effect_table() -> str:
     lines = ["| key | why no output changes |", "| --- | --- |"]
     lines += [f"| `{key}` | {why} |" for key, why in NO_EFFECT.items()]
-    lines += [f"| `{flag}` in `vllm.extra_args` | {why} |" for flag, why in UNKEYED_SERVER_FLAGS.items()]
+    lines += [f"| the server flag `{flag}` | {why} |" for flag, why in UNKEYED_SERVER_FLAGS.items()]
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
-    """python -m draftflow.dependencies: print the README's rebuild tables."""
+    """python -m draftflow.rebuild_table: print the README's two tables."""
     sys.stdout.write(render_rebuild_table() + "\n" + render_no_effect_table())
     return 0
 

@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from draftflow.dependencies import extraction_settings
+from draftflow.extract.journal_key import extraction_settings
 from draftflow.extract.shards import (
     check_free_space,
     load_samples,

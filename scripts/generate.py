@@ -1,8 +1,7 @@
 from functools import partial
 from pathlib import Path
 
-from draftflow.answers import answer_store
-from draftflow.dependencies import generation_key
+from draftflow.answers import answer_store, generation_key
 from draftflow.generate import (
     GenerationSettings,
     ask_unanswered,

@@ -44,13 +44,19 @@ def assert_measured_acceptance(run: Path, measured: dict[str, dict], name: str, 
         pytest.fail(f"No acceptance is recorded for host class {host!r}: run this test twice on this host and, "
                     f"where both runs give the same (offline, served) mean acceptance lengths, add them for {name!r} "
                     f"under {host!r} in {recorded_in}")  # fmt: skip
-    offline, served = measured[host][name]
+    recorded = measured[host][name]
     evaluation = json.loads((run / "evaluation/evaluation.json").read_text())
     served_file = run / "evaluation/served.json"
     got = (evaluation["trained"]["mean_acceptance_length"],
            json.loads(served_file.read_text())["mean_acceptance_length"] if served_file.exists() else None)  # fmt: skip
-    assert got[0] == pytest.approx(offline, rel=SPREAD), (got, host)
-    assert got[1] == (None if served is None else pytest.approx(served, rel=SPREAD)), (got, host)
+    # a list: hosts of the class measured different values, each reproducible on its host
+    assert any(matches(got, pair) for pair in (recorded if isinstance(recorded, list) else [recorded])), (got, host)
+
+
+def matches(got: tuple, recorded: tuple) -> bool:
+    (offline, served), (recorded_offline, recorded_served) = got, recorded
+    same_served = served is None if recorded_served is None else served == pytest.approx(recorded_served, rel=SPREAD)
+    return offline == pytest.approx(recorded_offline, rel=SPREAD) and same_served
 
 
 def assert_served_as_replayed(run: Path) -> dict:

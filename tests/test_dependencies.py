@@ -19,7 +19,9 @@ from safetensors.torch import save_file
 from draftflow import dependencies, rebuild_table
 from draftflow.answers import answer_store, conversation_key
 from draftflow.config import load_config
-from draftflow.dependencies import NO_EFFECT, STAGES, generation_key, keyed_server_flags
+from draftflow.answers import generation_key
+from draftflow.dependencies import NO_EFFECT, STAGES
+from draftflow.server_flags import keyed_server_flags
 from draftflow.rebuild_table import REBUILDS
 from draftflow.fingerprint import model_identity, target_fingerprint, tokenizer_identity
 from tests.conftest import REPO, demo_config, snakemake, workflow_copy
@@ -86,7 +88,7 @@ def test_the_answer_store_key_follows_target_template_and_output_changing_flags_
 def extraction_key(workflow: Path, backend: str, env: dict | None = None) -> str:
     """The journal key of a target's extraction, computed by the draftflow in ``workflow``."""
     code = (
-        "import sys; from pathlib import Path; from draftflow.dependencies import extraction_settings; "
+        "import sys; from pathlib import Path; from draftflow.extract.journal_key import extraction_settings; "
         f"print(extraction_settings({backend!r}, [1, 2], 'float32', 'full', Path(sys.argv[1]), {SERVER!r}).key())"
     )
     environment = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(filter(None, [(env or {}).get("PYTHONPATH"), str(workflow)]))}

