@@ -123,6 +123,7 @@ NO_EFFECT = {
     "plan.stop_if_short": "a gate: the run does not start without room",
 }  # fmt: skip
 
+
 def leaves(config: dict, key: str) -> dict:
     """``key``'s value, or each of its section's leaves, by dotted key."""
     value = config
