@@ -112,9 +112,8 @@ def chat_template_flag():
 
 def fidelity_decision():
     """Whether the fidelity rule loads the target; its script decides again once the target exists."""
-    exists = (Path(TARGET) / "config.json").exists()
     return decide_for_config(
-        config, read_target_model(TARGET).weight_bytes if exists else None
+        config, TARGET_MODEL.weight_bytes if TARGET_MODEL is not None else None
     )
 
 
@@ -144,9 +143,9 @@ def check_target_now():
 
     A target the workflow still has to build is checked by its first rule.
     """
-    if not (Path(TARGET) / "config.json").exists():
+    target = TARGET_MODEL
+    if target is None:
         return
-    target = read_target_model(TARGET)
     target.check_output_head()
     resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
     target.check_draft_vocab_size(config["vocab"]["draft_vocab_size"])
