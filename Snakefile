@@ -32,6 +32,7 @@ include: "rules/train.smk"
 include: "rules/evaluate.smk"
 include: "rules/report.smk"
 include: "rules/provenance.smk"
+include: "rules/model_card.smk"
 
 
 rule all:
@@ -39,6 +40,7 @@ rule all:
     input:
         rules.report.output,
         rules.provenance.output,
+        rules.model_card.output,
 
 
 onstart:

@@ -43,7 +43,7 @@ from draftflow.extract.layout import Sample  # noqa: E402
 from draftflow.io import write_jsonl  # noqa: E402
 from draftflow.layers import resolve_layer_ids  # noqa: E402
 from draftflow.plan import build_plan, load_rates  # noqa: E402
-from draftflow.prompts import select_prompts  # noqa: E402
+from draftflow.prompts import config_selection  # noqa: E402
 from draftflow.target_model import read_target_model  # noqa: E402
 
 BEFORE, AFTER = 10_000, 12_000
@@ -73,8 +73,7 @@ def reference_folder(workdir: Path) -> tuple[dict, Path]:
 def leave_the_first_run(workdir: Path, config: dict, target: Path) -> None:
     """The answers and hidden-state files of the 10,000-sample run, as it leaves them."""
     rng = random.Random(0)
-    data = config["data"]
-    first, _ = select_prompts([Path(p) for p in data["prompt_files"]], BEFORE, config["seed"], data["on_bad_row"])
+    first = config_selection({**config, "data": {**config["data"], "num_samples": BEFORE}}).rows
     run_dir = workdir / "results" / config["run"]
     store = answer_store(run_dir / "synthetic/work", run_generation_key(config, read_target_model(target)))
     samples, rows = [], []

@@ -12,6 +12,7 @@ COMMANDS = {
     "plan": ("draftflow.plan", "what a run will cost, stage by stage, before it starts"),
     "progress": ("draftflow.progress", "how far the hidden-state extraction is, how fast, when it ends"),
     "gpus": ("draftflow.gpus", "claim GPUs for a command, list who holds them, count them"),
+    "publish": ("draftflow.publish", "upload a drafter folder with its model card to the Hugging Face hub"),
 }
 
 

@@ -15,7 +15,7 @@ from draftflow.target_model import TargetModel
 
 LATER_OUTPUTS = {  # what each output after extraction writes under results/<run>/
     "untrained drafter": (run_folder.UNTRAINED_DRAFTER,),
-    "drafter": (run_folder.DRAFTER,),
+    "drafter": (run_folder.TRAINED_DRAFTER,),
     "training checkpoints": (run_folder.TRAINING_WORK,),
     "training views": (run_folder.TRAINING_VIEWS,),
     "evaluation and report": (run_folder.EVALUATION, run_folder.REPORT),

@@ -52,9 +52,9 @@ EXTRACTION_JOB = (*SERVER, *EXTRACTION, "extract.token_budget", "extract.compile
                   "extract.max_retries")  # fmt: skip
 
 STAGES = {
-    "prompts": Reads(("data", "seed")),
+    "prompts": Reads(("data", "evaluate.datasets", "seed")),
     "generate": Reads((*SERVER, "generate"), after=("prompts",), target="target"),
-    "prepare": Reads(("prepare", "vllm.extra_args"), after=("generate",), target="tokenizer"),
+    "prepare": Reads(("prepare", "vllm.extra_args"), after=("prompts", "generate"), target="tokenizer"),
     "vocab_map": Reads(("vocab",), after=("prepare",), target="model"),
     "extract_plan": Reads((*SERVER, *EXTRACTION, "extract.layer_ids", "extract.shards", "extract.servers",
                            "extract.disk_margin"), after=("prepare",), target="model", extraction=True),
@@ -72,10 +72,10 @@ STAGES = {
                           target="model"),
     "train_views": Reads(("train.heldout_fraction", "seed"), after=("prepare", "extract")),
     "train": Reads(("train", "seed", "device"), after=("drafter_init", "train_views")),
-    "evaluate": Reads(("evaluate.draft_tokens", "evaluate.min_acceptance_length", "evaluate.serve_check_requests",
+    "evaluate": Reads(("evaluate.draft_tokens", "evaluate.draft_token_sweep", "evaluate.min_acceptance_length", "evaluate.serve_check_requests",
                        "generate.max_tokens", "train.attention"),
                       after=("train_views", "extract_plan", "train", "drafter_init"), target="model"),
-    "serve_check": Reads((*SERVER, "evaluate.draft_tokens", "evaluate.serve_check_requests",
+    "serve_check": Reads((*SERVER, "evaluate.draft_tokens", "evaluate.draft_token_sweep", "evaluate.serve_check_requests",
                           "evaluate.max_served_shortfall", "generate.max_tokens"),
                          after=("evaluate", "train_views", "train", "drafter_init"), target="model"),
     "report": Reads(("report", "evaluate.serve_check"), after=("prompts", "generate", "prepare", "vocab_map", "extract_plan",
@@ -85,6 +85,9 @@ STAGES = {
     "provenance": Reads((), after=("prompts", "generate", "prepare", "vocab_map", "extract_plan",
                                    "fidelity_reference", "extract_server", "extract", "drafter_init",
                                    "train_views", "train", "evaluate", "report")),
+    "model_card": Reads(("evaluate.draft_tokens", "evaluate.serve_check", "generate.max_tokens", "generate.temperature", "seed"),
+                        after=("prompts", "generate", "vocab_map", "extract_plan", "train", "evaluate", "serve_check",
+                               "provenance")),
 }  # fmt: skip
 
 # Keys that change no byte of the data any stage makes (answers, samples, hidden states,

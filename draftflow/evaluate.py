@@ -12,18 +12,26 @@ a chain and the hard ones at every step: the decoding replay walks each answer s
 from the prompt's end to the served ``max_tokens``, and predicts what vLLM's own
 counters will say when it serves the drafter on the same prompts (at temperature 0,
 exactly but for near ties).
+
+The gate reads the held-out slice at K = ``evaluate.draft_tokens``; the trained drafter
+is also measured on each evaluation set (``evaluate.datasets``), per category, at
+each K of the sweep (``measure``), as published drafters are compared.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from datasets import load_from_disk
 from safetensors import safe_open
 
 from draftflow.extract.hidden_states import read_hidden_states
 from draftflow.extract.layout import view_file_name
 from draftflow.plots import pyplot, save_png
+from draftflow.prepared_rows import CATEGORY, EVALUATION_SET
+from draftflow.prompt_sources import HELDOUT
 from draftflow.target_model import TargetModel, read_target_model
 
 
@@ -144,37 +152,91 @@ def summarize(lengths: torch.Tensor, steps: int) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class EvaluationSample:
+    row: int  # in the view
+    token_ids: list[int]
+    loss_mask: list[int]
+    category: str = ""  # "" outside an evaluation set's categories
+
+
+class Acceptance:
+    """Accepted chain lengths, per K, gathered over samples: at every start, and along the
+    decoding replay of the samples that are served."""
+
+    def __init__(self, sweep: list[int]):
+        self.every_position = {k: [] for k in sweep}
+        self.replayed = {k: [] for k in sweep}
+        self.samples = 0
+
+    def summary(self, max_tokens: int) -> dict:
+        """Per K (as a string key, JSON's): the every-position summary and the decoding replay's."""
+        by_k = {}
+        for k, lengths in self.every_position.items():
+            replay = torch.cat(self.replayed[k]) if self.replayed[k] else torch.zeros(0, dtype=torch.long)
+            by_k[str(k)] = {
+                **summarize(torch.cat(lengths), k),
+                "decoding_replay": {"requests": len(self.replayed[k]), "max_tokens": max_tokens,
+                                    "drafts": int(replay.numel()), "accepted_tokens": int(replay.sum()),
+                                    **summarize(replay, k)},
+            }  # fmt: skip
+        return {"samples": self.samples, "draft_tokens": by_k}
+
+
+def measure(
+    drafter, head: TargetHead, view_dir: Path, samples: list[EvaluationSample], sweep: list[int],
+    served_requests: int, max_tokens: int,
+) -> dict[str, Acceptance]:
+    """Acceptance of ``drafter`` on ``samples`` at each K of ``sweep``, overall ("") and per
+    category; the decoding replay walks the first ``served_requests`` samples, those serve_check
+    serves, to the served ``max_tokens``. One drafting pass at the largest K serves every K: a
+    chain's first k drafts are the chain drafted at k."""
+    drafter.eval()
+    groups: dict[str, Acceptance] = {"": Acceptance(sweep)}
+    for index, sample in enumerate(samples):
+        states = read_hidden_states(view_dir / "hidden_states" / view_file_name(sample.row))
+        ids = torch.tensor(sample.token_ids)
+        greedy = head.greedy(states[:, -1])
+        drafts = draft_chains(drafter, ids, states[:, :-1], max(sweep))
+        for group in {"", sample.category}:
+            acceptance = groups.setdefault(group, Acceptance(sweep))
+            acceptance.samples += 1
+            for k in sweep:
+                acceptance.every_position[k].append(accepted_lengths(ids, torch.tensor(sample.loss_mask), greedy, drafts[:k]))
+                if index < served_requests:
+                    acceptance.replayed[k].append(replayed_lengths(ids, sample.loss_mask, greedy, drafts[:k], max_tokens))
+    return groups
+
+
+def evaluation_samples(view_dir: Path) -> dict[str, list[EvaluationSample]]:
+    """A view's rows by the evaluation set they belong to (the held-out slice's under HELDOUT)."""
+    rows = load_from_disk(str(view_dir)).with_format(None)
+    by_set: dict[str, list[EvaluationSample]] = {}
+    columns = (rows["input_ids"], rows["loss_mask"], rows[EVALUATION_SET], rows[CATEGORY])
+    for row, (ids, mask, name, category) in enumerate(zip(*columns, strict=True)):
+        by_set.setdefault(name or HELDOUT, []).append(EvaluationSample(row, ids, mask, category))
+    return by_set
+
+
+def set_results(groups: dict[str, Acceptance], max_tokens: int) -> dict:
+    """One set's acceptance per K, and per category where its rows name them."""
+    return {**groups[""].summary(max_tokens),
+            "categories": {name: acceptance.summary(max_tokens) for name, acceptance in sorted(groups.items()) if name}}  # fmt: skip
+
+
 def evaluate(
     drafter,
     head: TargetHead,
     view_dir: Path,
-    samples: list[tuple[int, list[int], list[int]]],
+    samples: list[EvaluationSample],
     steps: int,
     served: dict,
 ) -> dict:
-    """``samples``: (row in the view, token ids, loss mask); ``served``: the first ``requests``
-    samples' prompts and the ``max_tokens`` serve_check serves, which the decoding replay walks."""
-    drafter.eval()
-    every_position, replayed = [], []
-    for index, (row, token_ids, loss_mask) in enumerate(samples):
-        states = read_hidden_states(view_dir / "hidden_states" / view_file_name(row))
-        ids = torch.tensor(token_ids)
-        greedy = head.greedy(states[:, -1])
-        drafts = draft_chains(drafter, ids, states[:, :-1], steps)
-        every_position.append(accepted_lengths(ids, torch.tensor(loss_mask), greedy, drafts))
-        if index < served["requests"]:
-            replayed.append(replayed_lengths(ids, loss_mask, greedy, drafts, served["max_tokens"]))
-    replay = torch.cat(replayed)
-    return {
-        **summarize(torch.cat(every_position), steps),
-        "decoding_replay": {
-            "requests": len(replayed),
-            "max_tokens": served["max_tokens"],
-            "drafts": int(replay.numel()),
-            "accepted_tokens": int(replay.sum()),
-            **summarize(replay, steps),
-        },
-    }
+    """The gate's measure: acceptance at K = ``steps`` on the held-out ``samples``, every
+    position and along the decoding replay of the first ``served["requests"]``, those
+    serve_check serves up to ``served["max_tokens"]``."""
+    groups = measure(drafter, head, view_dir, samples, [steps], served["requests"], served["max_tokens"])
+    return groups[""].summary(served["max_tokens"])["draft_tokens"][str(steps)]
 
 
 def gate(results: dict, min_acceptance_length: float) -> dict:

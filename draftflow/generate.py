@@ -259,6 +259,7 @@ def finish(
     output: Path,
     errors_output: Path,
     stats_output: Path,
+    evaluation_ids: set[str] = frozenset(),
 ) -> dict:
     """Write the answers of ``conversations`` from the answer store, sorted by id
     (completion order varies), their errors and stats (with the user turns lost
@@ -268,7 +269,9 @@ def finish(
     ``endpoint`` replaces the URL the client recorded in each row: a local
     server's port is random and would make reruns differ. ``server_args``: the
     flags of the server the rule started (None: an endpoint's), which say the chat
-    template it rendered with.
+    template it rendered with. ``evaluation_ids``: the conversations of evaluation sets, whose
+    flawed answers are counted apart and fail nothing (generate.max_degenerate_fraction
+    guards what the drafter trains on).
     """
     asked = list(iter_jsonl(conversations))
     rows = sorted(stored_rows(stored_answers(store), asked), key=lambda row: row["id"])
@@ -284,8 +287,12 @@ def finish(
     stats |= lost_turn_stats(asked, rows)
     stats["chat_template"] = generation_record(tokenizer, tokenizer_dir, server_args)
     print(f"Prompts rendered with the chat template: {stats['chat_template']['source']}, sha256 {stats['chat_template']['sha256']}")
-    flaws = answer_flaws(rows, settings.max_tokens)
+    training = [row for row in rows if row["primary_id"] not in evaluation_ids]
+    flaws = answer_flaws(training, settings.max_tokens)
     stats |= flaw_stats(flaws) | {"truncated": sum(CUT in found for found in flaws.values())}
+    # an evaluation set's answers are what the target says on that benchmark: counted, not gated
+    evaluation_flaws = answer_flaws([row for row in rows if row["primary_id"] in evaluation_ids], settings.max_tokens)
+    stats["evaluation_set_answers"] = {"answers": len(rows) - len(training), **flaw_stats(evaluation_flaws)}
     stats["warnings"] = lost_turns_warnings(stats, settings.max_tokens)
     for warning in stats["warnings"]:
         print(f"WARNING: {warning}")
@@ -293,7 +300,7 @@ def finish(
     write_json(stats_output, stats)
     check_error_rate(stats, settings.max_error_fraction, errors_path(store))
     limit, counted = "generate.max_degenerate_fraction", f"counts in {stats_output}"
-    check_answers(rows, flaws, tokenizer.decode, settings.max_degenerate_fraction, limit, counted)
+    check_answers(training, flaws, tokenizer.decode, settings.max_degenerate_fraction, limit, counted)
     write_jsonl(output, rows)
     return stats
 

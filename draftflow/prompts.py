@@ -1,9 +1,15 @@
-"""Stage 1: read user conversations, normalise, deduplicate and sample them.
+"""Stage 1: read user conversations, normalise, deduplicate, mix and sample them.
 
 A prompt file is read as users download them: JSONL, one JSON array (streamed:
 ShareGPT's 640 MB file is not loaded whole), parquet, or a folder a ``datasets``
-``save_to_disk`` wrote. Each row is a conversation in one of the common
-layouts (``normalize_turns``).
+``save_to_disk`` wrote (``draftflow.prompt_sources`` finds a source's files: a path,
+a hub dataset in the local cache, a file inside a package). Each row is a
+conversation in one of the common layouts (``normalize_turns``).
+
+The training samples are mixed from the sources by count and weight (``mix``); the
+evaluation sets' conversations follow them in the output, none of them a training
+sample (``select_prompts`` refuses one by name), each set's sample ids and
+categories listed in ``evaluation_sets.json``.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from draftflow.prompt_sources import PromptSource, PromptSourceError, config_sources
 
 ROLE_ALIASES = {"user": "user", "human": "user", "system": "system"}
 SAFE_ID = re.compile(r"[^A-Za-z0-9._-]+")
@@ -162,32 +170,54 @@ def parquet_rows(path: Path) -> Iterator[tuple[str, Callable[[], object]]]:
             yield f"row {row}", lambda value=value: value
 
 
-def saved_dataset_rows(path: Path) -> Iterator[tuple[str, Callable[[], object]]]:
-    """The rows of a folder ``datasets``' ``save_to_disk`` wrote (a DatasetDict: its
-    ``train`` split)."""
+def saved_dataset_rows(path: Path, split: str) -> Iterator[tuple[str, Callable[[], object]]]:
+    """The rows of a folder ``datasets``' ``save_to_disk`` wrote (a DatasetDict: its ``split``)."""
     from datasets import DatasetDict, load_from_disk
 
     dataset = load_from_disk(str(path))
     if isinstance(dataset, DatasetDict):
-        if "train" not in dataset:
-            raise BadPromptRow(f"{path}: a dataset of splits {sorted(dataset)} without 'train'; save the split to read")
-        dataset = dataset["train"]
+        if split not in dataset:
+            raise BadPromptRow(f"{path}: a dataset of splits {sorted(dataset)} without {split!r}; set the source's split")
+        dataset = dataset[split]
     for row, value in enumerate(dataset.with_format(None), start=1):
         yield f"row {row}", lambda value=value: value
 
 
-def prompt_rows(path: Path) -> Iterator[tuple[str, Callable[[], object]]]:
+def json_rows(path: Path) -> Iterator[tuple[str, Callable[[], object]]]:
+    """A ``.json`` file: one array, or JSON Lines under that suffix (as many hub datasets ship)."""
+    with path.open("rb") as start:
+        first = start.read(4096).lstrip()[:1]
+    return json_array_rows(path) if first == b"[" else jsonl_rows(path)
+
+
+def prompt_rows(path: Path, split: str = "train") -> Iterator[tuple[str, Callable[[], object]]]:
     """``(where, read)`` for each row of a prompt file: ``read()`` decodes it (and may
     raise, for that row only)."""
     if path.is_dir():
-        return saved_dataset_rows(path)
-    readers = {".json": json_array_rows, ".parquet": parquet_rows}
+        return saved_dataset_rows(path, split)
+    readers = {".json": json_rows, ".parquet": parquet_rows}
     return readers.get(path.suffix, jsonl_rows)(path)
 
 
-def read_prompt_file(path: Path, on_bad_row: str, stats: PromptStats):
-    """Yield ``(sample_id, digest, turns)`` for each usable row of a prompt file."""
-    for where, read in prompt_rows(path):
+def source_rows(source: PromptSource) -> Iterator[tuple[str, Callable[[], object]]]:
+    """``(where, read)`` for each row of a source's files."""
+    for file in source.files:
+        for where, read in prompt_rows(Path(file), source.split):
+            yield f"{file}, {where}", read
+
+
+@dataclass(frozen=True)
+class Candidate:
+    sample_id: str
+    digest: str
+    turns: list[dict]
+    category: str | None
+    where: str
+
+
+def read_source(source: PromptSource, on_bad_row: str, stats: PromptStats) -> Iterator[Candidate]:
+    """Each usable row of a source, bad ones counted in ``stats`` or failing the stage."""
+    for where, read in source_rows(source):
         stats.rows_read += 1
         try:
             row = read()
@@ -195,7 +225,7 @@ def read_prompt_file(path: Path, on_bad_row: str, stats: PromptStats):
                 raise ValueError("the row is not a JSON object")
             turns = normalize_turns(row)
         except (UnicodeDecodeError, ValueError) as error:
-            reason = f"{path}, {where}: {error}"
+            reason = f"{where}: {error}"
             if on_bad_row == "fail":
                 raise BadPromptRow(
                     f"{reason}. Fix the row, or set data.on_bad_row: skip "
@@ -205,7 +235,29 @@ def read_prompt_file(path: Path, on_bad_row: str, stats: PromptStats):
             stats.bad_row_reasons[str(error).split(":")[0]] += 1
             continue
         digest = content_hash(turns)
-        yield safe_sample_id(row.get("id") or row.get("uuid"), digest), digest, turns
+        raw_id = row.get("id") or row.get("uuid") or row.get("question_id")
+        category = row.get(source.category_field)
+        yield Candidate(safe_sample_id(raw_id, digest), digest, turns, str(category) if category else None, where)
+
+
+def unique_rows(
+    source: PromptSource, on_bad_row: str, stats: PromptStats, seen: dict[str, str], ids: set[str], id_prefix: str = ""
+) -> list[Candidate]:
+    """A source's conversations not read before (``seen``: digest → sample id), ids made unique in ``ids``."""
+    kept = []
+    for candidate in read_source(source, on_bad_row, stats):
+        if candidate.digest in seen:
+            stats.duplicates += 1
+            continue
+        sample_id = id_prefix + candidate.sample_id
+        if sample_id in ids:
+            stats.duplicate_ids_renamed += 1
+            sample_id = f"{sample_id}-{candidate.digest[:8]}"
+        ids.add(sample_id)
+        seen[candidate.digest] = sample_id
+        kept.append(Candidate(sample_id, candidate.digest, candidate.turns, candidate.category, candidate.where))
+    stats.unique = len(kept)
+    return kept
 
 
 def sample_rank(seed: int, digest: str) -> str:
@@ -213,25 +265,116 @@ def sample_rank(seed: int, digest: str) -> str:
     return hashlib.sha256(f"{seed}:{digest}".encode()).hexdigest()
 
 
+def lowest_ranked(candidates: list[Candidate], count: int | None, seed: int) -> list[Candidate]:
+    return sorted(candidates, key=lambda c: sample_rank(seed, c.digest))[:count]
+
+
+def weighted_shares(total: int, weights: list[float], available: list[int]) -> list[int]:
+    """``total`` split in proportion to ``weights`` (largest remainders), no share above what is
+    ``available``: a share a group cannot fill goes to the others."""
+    shares, open_groups = [0] * len(weights), {i for i, w in enumerate(weights) if w > 0}
+    while open_groups and total > 0:
+        weight_sum = sum(weights[i] for i in open_groups)
+        exact = {i: total * weights[i] / weight_sum for i in open_groups}
+        if short := [i for i in open_groups if available[i] <= exact[i]]:
+            for i in short:
+                shares[i], total = available[i], total - available[i]
+                open_groups.remove(i)
+            continue
+        floors = {i: int(exact[i]) for i in open_groups}
+        by_remainder = sorted(open_groups, key=lambda i: (floors[i] - exact[i], i))
+        for rank, i in enumerate(by_remainder):
+            shares[i] = floors[i] + (rank < total - sum(floors.values()))
+        break
+    return shares
+
+
+def mix(sources: list[PromptSource], rows: list[list[Candidate]], num_samples: int, seed: int) -> list[list[Candidate]]:
+    """The conversations each source gives: a ``count`` exactly (or all it has), the rest of
+    ``num_samples`` shared by ``weight``; sources with neither are pooled, sampled over their
+    union, the pool weighing 1."""
+    counted = sum(source.count for source in sources if source.count is not None)
+    if counted > num_samples:
+        raise PromptSourceError(f"data.prompt_files: the counts add up to {counted}, more than data.num_samples {num_samples}")
+    chosen = [lowest_ranked(r, s.count, seed) if s.count is not None else [] for s, r in zip(sources, rows, strict=True)]
+    pooled = [i for i, s in enumerate(sources) if s.count is None and s.weight is None]
+    groups = [[i] for i, s in enumerate(sources) if s.weight is not None] + ([pooled] if pooled else [])
+    weights = [sources[g[0]].weight if sources[g[0]].weight is not None else 1.0 for g in groups]
+    members = [[c for i in group for c in rows[i]] for group in groups]
+    shares = weighted_shares(num_samples - counted, weights, [len(m) for m in members])
+    source_of = {c.digest: i for i, candidates in enumerate(rows) for c in candidates}
+    for candidates, share in zip(members, shares, strict=True):
+        for candidate in lowest_ranked(candidates, share, seed):
+            chosen[source_of[candidate.digest]].append(candidate)
+    return chosen
+
+
+@dataclass
+class Selection:
+    rows: list[dict]  # the training samples, then the evaluation sets'
+    stats: dict
+    evaluation_sets: dict  # name → origin and sample id → category
+
+
+def overlap_error(evaluation_set: PromptSource, candidate: Candidate, training_id: str) -> BadPromptRow:
+    return BadPromptRow(
+        f"evaluate.datasets {evaluation_set.name!r} ({candidate.where}): this conversation is also training "
+        f"sample {training_id}: a drafter trained on an evaluation set's conversations overstates its "
+        "acceptance there. Remove it from the training prompts (data.prompt_files), or the set from evaluate.datasets."
+    )
+
+
 def select_prompts(
-    paths: list[Path], num_samples: int, seed: int, on_bad_row: str
-) -> tuple[list[dict], PromptStats]:
-    """Deduplicated conversations from ``paths``, ``num_samples`` of them."""
-    stats = PromptStats()
-    by_digest: dict[str, dict] = {}
-    owner_of_id: dict[str, str] = {}
-    for path in paths:
-        for sample_id, digest, turns in read_prompt_file(path, on_bad_row, stats):
-            if digest in by_digest:
-                stats.duplicates += 1
-                continue
-            if sample_id in owner_of_id:
-                stats.duplicate_ids_renamed += 1
-                sample_id = f"{sample_id}-{digest[:8]}"
-            owner_of_id[sample_id] = digest
-            by_digest[digest] = {"id": sample_id, "messages": turns}
-    stats.unique = len(by_digest)
-    ranked = sorted(by_digest, key=lambda digest: sample_rank(seed, digest))
-    chosen = sorted((by_digest[d] for d in ranked[:num_samples]), key=lambda r: r["id"])
-    stats.sampled = len(chosen)
-    return chosen, stats
+    sources: list[PromptSource], num_samples: int, seed: int, on_bad_row: str, evaluation: list[PromptSource] = ()
+) -> Selection:
+    """Deduplicated training conversations from ``sources``, ``num_samples`` of them mixed as
+    ``mix`` says, and the evaluation sets' conversations, none of them a training sample's."""
+    seen, ids, per_source = {}, set(), {}
+    rows = []
+    for source in sources:
+        stats = per_source[source.name] = PromptStats()
+        rows.append(unique_rows(source, on_bad_row, stats, seen, ids))
+    chosen = mix(sources, rows, num_samples, seed)
+    training = {c.digest: c.sample_id for group in chosen for c in group}
+    for source, group in zip(sources, chosen, strict=True):
+        per_source[source.name].sampled = len(group)
+    evaluation_rows, per_set, sets = [], {}, {}
+    seen = {}
+    for evaluation_set in evaluation:
+        stats = per_set[evaluation_set.name] = PromptStats()
+        unique = unique_rows(evaluation_set, on_bad_row, stats, seen, ids, id_prefix=f"{evaluation_set.name}-")
+        taken = lowest_ranked(unique, evaluation_set.count, seed)
+        for candidate in taken:
+            if candidate.digest in training:
+                raise overlap_error(evaluation_set, candidate, training[candidate.digest])
+        stats.sampled = len(taken)
+        evaluation_rows += sorted(taken, key=lambda c: c.sample_id)
+        sets[evaluation_set.name] = {"origin": evaluation_set.origin, "samples": {c.sample_id: c.category for c in taken}}
+    training_rows = sorted((c for group in chosen for c in group), key=lambda c: c.sample_id)
+    records = [{"id": c.sample_id, "messages": c.turns} for c in training_rows + evaluation_rows]
+    return Selection(records, selection_stats(sources, per_source, evaluation, per_set, sets), sets)
+
+
+def selection_stats(sources, per_source, evaluation, per_set, sets) -> dict:
+    totals = PromptStats()
+    for stats in per_source.values():
+        for name in ("rows_read", "bad_rows", "duplicates", "duplicate_ids_renamed", "unique", "sampled"):
+            setattr(totals, name, getattr(totals, name) + getattr(stats, name))
+        totals.bad_row_reasons.update(stats.bad_row_reasons)
+    mixing = {s.name: {"origin": s.origin, "count": s.count, "weight": s.weight} for s in sources}
+    return {
+        **totals.as_dict(),
+        "sources": {name: {**mixing[name], **stats.as_dict()} for name, stats in per_source.items()},
+        "evaluation_sets": {
+            s.name: {"origin": s.origin, **per_set[s.name].as_dict(),
+                     "categories": dict(Counter(c or "all" for c in sets[s.name]["samples"].values()))}
+            for s in evaluation
+        },
+    }  # fmt: skip
+
+
+def config_selection(config: dict, base: Path = Path()) -> Selection:
+    """What the prompts stage selects for ``config``, its paths taken from ``base``."""
+    training, evaluation = config_sources(config, base)
+    data = config["data"]
+    return select_prompts(training, data["num_samples"], config["seed"], data["on_bad_row"], evaluation)

@@ -102,14 +102,15 @@ def package_versions() -> dict[str, str]:
 
 
 def provenance(
-    config: dict, target: Path, target_hub: dict | None, stage_inputs: dict[str, list[str]], workflow_dir: Path
+    config: dict, target: Path, target_hub: dict | None, stage_inputs: dict[str, list[str]]
 ) -> dict:
     """``target_hub``: the hub id, revision asked and commit ``target`` was resolved from (None for a
-    local folder). ``stage_inputs``: rule name → its input paths (the target is fingerprinted, not hashed)."""
+    local folder). ``stage_inputs``: rule name → its input paths (the target is fingerprinted, not hashed).
+    The workflow's commit is its checkout's, where jobs import draftflow from (PYTHONPATH)."""
     target = target.resolve()
     return {
         "config": config,
-        "workflow_commit": git_commit(workflow_dir),
+        "workflow_commit": git_commit(Path(__file__).resolve().parents[1]),
         "packages": package_versions(),
         "target": {"path": str(target), "hub": target_hub, "fingerprint": target_fingerprint(target)},
         "stage_inputs": {

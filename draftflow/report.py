@@ -6,6 +6,7 @@ import csv
 from pathlib import Path
 
 from draftflow import run_folder
+from draftflow.acceptance_tables import category_tables, plot_sets, sets_table
 from draftflow.extract import layout
 from draftflow.io import atomic_path, read_json, write_text
 from draftflow.plots import pyplot, save_png
@@ -190,6 +191,10 @@ def markdown(run: str, rows: list[dict], stats: dict, compared: dict[str, dict])
     ]  # fmt: skip
     if served:
         lines += ["![offline and served](../evaluation/served_acceptance.png)", ""]
+    lines += ["## Acceptance by evaluation set", "", *sets_table(evaluation, served), "",
+              "samples: answered turns (a two-turn question gives two). τ: mean acceptance length (1 + accepted "
+              "drafts per step), at temperature 0, each answer decoded up to generate.max_tokens.", "", *category_tables(evaluation, served),
+              "![acceptance by set](acceptance_by_set.png)", ""]  # fmt: skip
     if compared:
         lines += comparison_lines(run, outcome(stats["extract"], evaluation, stats.get("served")), compared)
     return "\n".join(lines)
@@ -205,4 +210,5 @@ def build_report(
     rows = runtime_rows(runtimes, stage_work(stats, runtimes))
     write_runtimes_tsv(rows, outputs["runtimes"])
     plot_runtimes(rows, outputs["plot"])
+    plot_sets(stats["evaluation"], stats.get("served"), outputs["sets_plot"])
     write_text(outputs["markdown"], markdown(run, rows, stats, compared))

@@ -20,7 +20,9 @@ RESULTS, LOGS, BENCHMARKS = "results", "logs", "benchmarks"
 RUN_PLAN, RUN_PLAN_TEXT = "run_plan.json", "run_plan.md"
 PROVENANCE = "provenance.json"
 HIDDEN_STATES = "hidden_states"
-UNTRAINED_DRAFTER, TRAINING_VIEWS, TRAINING_WORK, DRAFTER = "drafter_untrained", "training_data", "train", "drafter"
+UNTRAINED_DRAFTER, TRAINING_VIEWS, TRAINING_WORK = "drafter_untrained", "training_data", "train"
+TRAINED_DRAFTER = "drafter_trained"  # train's output; DRAFTER, the drafter as it ships, links to its files
+DRAFTER = "drafter"
 EVALUATION, REPORT = "evaluation", "report"
 DEMO_TARGET_RULE = "demo_target"  # builds resources/, outside any run
 
@@ -48,11 +50,12 @@ STAGES = (
     Stage("fidelity", ("fidelity",), 5000),
     Stage("drafter_init", (UNTRAINED_DRAFTER,), 2000),
     Stage("train_views", (TRAINING_VIEWS,), 1000),
-    Stage("train", (TRAINING_WORK, DRAFTER), 2000),
+    Stage("train", (TRAINING_WORK, TRAINED_DRAFTER), 2000),
     Stage("evaluate", (EVALUATION,), 1000),
     Stage("serve_check", (EVALUATION,), 4000),
     Stage("report", (REPORT,), 1000),
     Stage("provenance", (), 1000),
+    Stage("model_card", (DRAFTER,), 1000),
 )
 STAGE = {stage.rule: stage for stage in STAGES}
 OPTIONAL_STAGES = ("serve_check",)  # evaluate.serve_check: false leaves it out
@@ -68,7 +71,8 @@ def host_memory_resources() -> dict[str, dict[str, int]]:
 def stages_before_report(serve_check: bool) -> list[Stage]:
     """The stages whose benchmarks the report sums and whose inputs provenance
     records, in order (serve_check where the config runs it)."""
-    return [s for s in STAGES if s.rule not in ("report", "provenance") and (serve_check or s.rule not in OPTIONAL_STAGES)]
+    return [s for s in STAGES if s.rule not in ("report", "provenance", "model_card")
+            and (serve_check or s.rule not in OPTIONAL_STAGES)]  # fmt: skip
 
 
 def result(run: str, path: str) -> str:

@@ -1,4 +1,5 @@
-"""Serve the target with the trained drafter in vLLM, read its own acceptance counters and
+"""Serve the target with the trained drafter in vLLM, read its own acceptance counters (on the
+held-out prompts and each evaluation set's, per category, at each K of the sweep) and
 decide: vLLM must serve the drafter as it was trained (vocabulary map and norms, read from its
 files before the server starts; aux layers, from vLLM's log before any request), and the drafts
 it accepts per step may fall short of the evaluation's decoding replay on the same prompts (its
@@ -14,8 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
+from draftflow.evaluate import answer_start
 from draftflow.io import read_json
 from draftflow.plots import pyplot, save_png
+from draftflow.prompt_sources import HELDOUT
 from draftflow.target_model import read_target_model, weight_files
 from draftflow.vllm_server import START_MARKER, vllm_server
 
@@ -64,31 +67,76 @@ def served_acceptance(counters: dict[str, float], draft_tokens: int) -> dict:
     }
 
 
+def served_groups(url: str, target: str, groups: dict[str, dict[str, list]], max_tokens: int) -> dict:
+    """Each (set, category) group's prompts sent together, and what they moved vLLM's counters
+    by (the counters sum over the server's life): set → category → counters, requests, tokens."""
+    moved: dict[str, dict[str, dict]] = {}
+    with ThreadPoolExecutor(8) as pool:
+        for name, categories in groups.items():
+            for category, prompts in categories.items():
+                before = spec_decode_counters(url)
+                generated = sum(pool.map(lambda ids: complete(url, target, ids, max_tokens), prompts))
+                after = spec_decode_counters(url)
+                counters = {key: value - before.get(key, 0.0) for key, value in after.items()}
+                moved.setdefault(name, {})[category] = {"counters": counters, "requests": len(prompts), "generated_tokens": generated}
+    return moved
+
+
+def served_prompts(by_set: dict[str, list]) -> dict[str, dict[str, list[list[int]]]]:
+    """Each set's samples (``evaluate.evaluation_samples``) as the prompts serve_check sends,
+    by category: the tokens before each sample's first answer."""
+    groups: dict[str, dict[str, list[list[int]]]] = {}
+    for name, samples in by_set.items():
+        for sample in samples:
+            prompt = sample.token_ids[: answer_start(sample.loss_mask)]
+            groups.setdefault(name, {}).setdefault(sample.category, []).append(prompt)
+    return groups
+
+
+def group_acceptance(parts: list[dict], draft_tokens: int) -> dict:
+    """The served acceptance of groups taken together (their counters summed)."""
+    counters: dict[str, float] = {}
+    for part in parts:
+        for key, value in part["counters"].items():
+            counters[key] = counters.get(key, 0.0) + value
+    return {"requests": sum(p["requests"] for p in parts), "generated_tokens": sum(p["generated_tokens"] for p in parts),
+            **served_acceptance(counters, draft_tokens)}  # fmt: skip
+
+
 def serve_check(
     target: str,
     drafter: Path,
     trained: Path,
-    prompts: list[list[int]],
+    groups: dict[str, dict[str, list[list[int]]]],
+    sweep: list[int],
     draft_tokens: int,
     max_tokens: int,
     server: dict,
     log_path: Path,
 ) -> dict:
-    """vLLM's acceptance counters for the drafter served beside the target. Fails before the
+    """vLLM's acceptance counters for the drafter served beside the target, one server per K of
+    ``sweep``, on each group of prompts (``groups``: set → category → prompt token ids; the
+    held-out slice's, HELDOUT, gives the gate's numbers at ``draft_tokens``). Fails before a
     server starts when vLLM would read the drafter's files otherwise than training built them
     (``trained``: its initial folder), and before any request when vLLM took other aux layers."""
     model = read_target_model(target)
     decide({}, file_problems(drafter, trained, model.vocab_size))
-    args = [*server["args"], *speculative_args(drafter, draft_tokens)]
-    with vllm_server(target, log_path=log_path, **{**server, "args": args}) as url:
-        layers, source = served_aux_layers(log_path.read_text(), model.num_layers)
-        aux_layers = {"served": layers, "from": source}
-        if problem := layer_problem(aux_layers, trained, drafter):
-            decide({"aux_layers": aux_layers}, [problem])  # before a request: vLLM may crash on them
-        with ThreadPoolExecutor(8) as pool:
-            generated = sum(pool.map(lambda ids: complete(url, target, ids, max_tokens), prompts))
-        result = served_acceptance(spec_decode_counters(url), draft_tokens)
-    return {"requests": len(prompts), "generated_tokens": generated, "aux_layers": aux_layers, **result}
+    by_k = {}
+    for k in sweep:
+        args = [*server["args"], *speculative_args(drafter, k)]
+        with vllm_server(target, log_path=log_path, **{**server, "args": args}) as url:
+            layers, source = served_aux_layers(log_path.read_text(), model.num_layers)
+            aux_layers = {"served": layers, "from": source}
+            if problem := layer_problem(aux_layers, trained, drafter):
+                decide({"aux_layers": aux_layers}, [problem])  # before a request: vLLM may crash on them
+            by_k[k] = served_groups(url, target, groups, max_tokens)
+    sets = {
+        name: {"draft_tokens": {str(k): group_acceptance(list(by_k[k][name].values()), k) for k in sweep},
+               "categories": {category: {"draft_tokens": {str(k): group_acceptance([by_k[k][name][category]], k) for k in sweep}}
+                              for category in categories if category}}
+        for name, categories in groups.items()
+    }  # fmt: skip
+    return {"aux_layers": aux_layers, **sets[HELDOUT]["draft_tokens"][str(draft_tokens)], "sets": sets}
 
 
 # vLLM's GPU model runner logs this when the drafter's config names its aux layers; without

@@ -59,26 +59,28 @@ def resolve_target(path: str, workflow_builds: Collection[str] = ()) -> TargetSo
     if match is None or Path(path).is_dir() or path in workflow_builds:
         return TargetSource(Path(path), None)
     repo_id, revision = match["repo_id"], match["revision"] or DEFAULT_REVISION
-    folder = cached_snapshot(repo_id, revision, path)
+    folder = cached_snapshot(repo_id, revision, f"target.path {path!r} is no folder ({Path(path).resolve()})")
     return TargetSource(folder, HubRevision(repo_id, revision, folder.name))
 
 
-def cached_snapshot(repo_id: str, revision: str, path: str) -> Path:
-    """The cache's snapshot folder of ``repo_id`` at ``revision`` (branch and tag names read from refs/)."""
+def cached_snapshot(repo_id: str, revision: str, named_by: str, repo_type: str = "model") -> Path:
+    """The cache's snapshot folder of ``repo_id`` (a model or a dataset) at ``revision`` (branch
+    and tag names read from refs/); ``named_by`` says which setting named it, for the error."""
     # Imported here: only hub ids need huggingface_hub, and a login node may run Snakemake without it.
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
 
     cache = Path(constants.HF_HUB_CACHE)
     try:
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
+        folder = snapshot_download(repo_id, repo_type=repo_type, revision=revision, cache_dir=cache, local_files_only=True)
+        return Path(folder)
     except LocalEntryNotFoundError as error:
         incomplete = f" ({error})" if isinstance(error, IncompleteSnapshotError) else ""
+        type_flag = "" if repo_type == "model" else f" --repo-type {repo_type}"
         raise TargetNotFoundError(
-            f"target.path {path!r}: there is no folder {Path(path).resolve()}, and the Hugging Face cache "
-            f"{cache} holds no complete snapshot of {repo_id} at revision {revision!r}{incomplete}. "
-            f"The workflow downloads nothing; fetch the model into that cache first "
-            f"(HF_HOME or HF_HUB_CACHE choose it): hf download {repo_id} --revision {revision}"
+            f"{named_by}: the Hugging Face cache {cache} holds no complete snapshot of the {repo_type} "
+            f"{repo_id} at revision {revision!r}{incomplete}. The workflow downloads nothing; fetch it into "
+            f"that cache first (HF_HOME or HF_HUB_CACHE choose it): hf download{type_flag} {repo_id} --revision {revision}"
         ) from None
 
 

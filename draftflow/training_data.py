@@ -22,6 +22,7 @@ from datasets import load_from_disk
 from draftflow.extract.hidden_states import opens_cleanly, read_hidden_states, read_token_ids
 from draftflow.extract.layout import Sample, token_digest, view_file_name
 from draftflow.io import atomic_path, read_json
+from draftflow.prepared_rows import EVALUATION_SET
 
 
 def is_heldout(sample_id: str, fraction: float, seed: int) -> bool:
@@ -115,9 +116,11 @@ def check_view(view_dir: Path) -> int:
     return len(dataset)
 
 
-def split_rows(dataset_dir: Path, fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train rows, held-out rows) of the prepared dataset."""
-    sample_ids = load_from_disk(str(dataset_dir)).with_format(None)["sample_id"]
-    heldout = [i for i, s in enumerate(sample_ids) if is_heldout(s, fraction, seed)]
-    train = [i for i, s in enumerate(sample_ids) if not is_heldout(s, fraction, seed)]
-    return train, heldout
+def split_rows(dataset_dir: Path, fraction: float, seed: int) -> tuple[list[int], list[int], list[int]]:
+    """(train rows, held-out rows, evaluation sets' rows) of the prepared dataset: the
+    training prompts split by ``is_heldout``, the evaluation sets' rows apart."""
+    columns = load_from_disk(str(dataset_dir)).with_format(None).select_columns(["sample_id", EVALUATION_SET])
+    train, heldout, evaluation = [], [], []
+    for i, (sample_id, evaluation_set) in enumerate(zip(columns["sample_id"], columns[EVALUATION_SET], strict=True)):
+        (evaluation if evaluation_set else heldout if is_heldout(sample_id, fraction, seed) else train).append(i)
+    return train, heldout, evaluation

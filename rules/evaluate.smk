@@ -3,6 +3,7 @@ rule evaluate:
         drafter=rules.train.output.drafter,
         init=rules.drafter_init.output.drafter,
         heldout=rules.train_views.output.heldout,
+        evaluation=rules.train_views.output.evaluation,
         plan=rules.extract_plan.output.plan,
         target=TARGET,
     output:
@@ -22,6 +23,7 @@ rule evaluate:
         depends=depends_on("evaluate"),
         code=code_version("evaluate"),
         draft_tokens=config["evaluate"]["draft_tokens"],
+        sweep=DRAFT_TOKEN_SWEEP,
         min_acceptance_length=config["evaluate"]["min_acceptance_length"],
         attention=config["train"]["attention"],
         # what serve_check serves, for the decoding replay that predicts its counters
@@ -39,6 +41,7 @@ rule serve_check:
         init=rules.drafter_init.output.drafter,
         evaluation=rules.evaluate.output.evaluation,
         heldout=rules.train_views.output.heldout,
+        evaluation_sets=rules.train_views.output.evaluation,
         target=TARGET,
     output:
         served=result("evaluation/served.json"),
@@ -60,6 +63,7 @@ rule serve_check:
         depends=depends_on("serve_check"),
         code=code_version("serve_check"),
         draft_tokens=config["evaluate"]["draft_tokens"],
+        sweep=DRAFT_TOKEN_SWEEP,
         max_tokens=config["generate"]["max_tokens"],
         max_requests=config["evaluate"]["serve_check_requests"],
         max_served_shortfall=config["evaluate"]["max_served_shortfall"],

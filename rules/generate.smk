@@ -1,6 +1,7 @@
 rule generate:
     input:
         conversations=rules.prompts.output.conversations,
+        evaluation_sets=rules.prompts.output.evaluation_sets,
         target=TARGET,
     output:
         samples=result("synthetic/generated.jsonl"),

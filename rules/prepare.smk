@@ -2,6 +2,7 @@ rule prepare:
     input:
         samples=rules.generate.output.samples,
         generation_stats=rules.generate.output.stats,
+        evaluation_sets=rules.prompts.output.evaluation_sets,
         target=TARGET,
     output:
         dataset=directory(result("prepared/dataset")),

@@ -1,9 +1,10 @@
 rule prompts:
     input:
-        prompt_files=config["data"]["prompt_files"],
+        prompt_files=source_files(PROMPT_SOURCES + EVALUATION_SETS),
     output:
         conversations=result("prompts/conversations.jsonl"),
         stats=result("prompts/stats.json"),
+        evaluation_sets=result("prompts/evaluation_sets.json"),
     log:
         log_path("prompts"),
     benchmark:
@@ -13,6 +14,8 @@ rule prompts:
     params:
         depends=depends_on("prompts"),
         code=code_version("prompts"),
+        sources=[source.record() for source in PROMPT_SOURCES],
+        evaluation_sets=[source.record() for source in EVALUATION_SETS],
         num_samples=config["data"]["num_samples"],
         seed=config["seed"],
         on_bad_row=config["data"]["on_bad_row"],

@@ -22,7 +22,6 @@ rule provenance:
         CONDA_ENV
     params:
         depends=depends_on("provenance"),
-        workflow_dir=workflow.basedir,
         code=code_version("provenance"),
         target_hub=TARGET_SOURCE.hub_record(),
         stage_inputs={

@@ -29,6 +29,11 @@ rule report:
             caption="../report/stage_runtimes.rst",
             category="Runtime",
         ),
+        sets_plot=report(
+            result("report/acceptance_by_set.png"),
+            caption="../report/acceptance_by_set.rst",
+            category="Evaluation",
+        ),
         markdown=report(
             result("report/report.md"),
             caption="../report/summary.rst",

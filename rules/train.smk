@@ -35,6 +35,7 @@ rule train_views:
     output:
         train=directory(result("training_data/train")),
         heldout=directory(result("training_data/heldout")),
+        evaluation=directory(result("training_data/evaluation")),
         split=result("training_data/split.json"),
     log:
         log_path("train_views"),
@@ -56,7 +57,7 @@ rule train:
         init=rules.drafter_init.output.drafter,
         train=rules.train_views.output.train,
     output:
-        drafter=directory(result("drafter")),
+        drafter=directory(result(run_folder.TRAINED_DRAFTER)),
         stats=result("train/stats.json"),
     log:
         log_path("train"),

@@ -1,17 +1,20 @@
 from pathlib import Path
 
 import torch._dynamo
-from datasets import load_from_disk
 
 from draftflow.evaluate import (
     TargetHead,
     check_layer_ids,
     evaluate,
+    evaluation_samples,
     gate,
     gate_failure,
+    measure,
     plot_acceptance,
+    set_results,
 )
 from draftflow.io import read_json, write_json
+from draftflow.prompt_sources import HELDOUT
 from draftflow.rule_log import logged
 from draftflow.train import load_drafter
 from draftflow.training_data import check_view
@@ -24,20 +27,26 @@ torch._dynamo.config.disable = True
 params = snakemake.params
 with logged(snakemake.log[0]):
     layer_ids = read_json(snakemake.input.plan)["layer_ids"]
-    heldout = Path(snakemake.input.heldout)
-    print(f"{check_view(heldout)} held-out files hold their rows' token ids")
-    rows = load_from_disk(str(heldout)).with_format(None)
-    samples = [
-        (row, ids, mask)
-        for row, (ids, mask) in enumerate(zip(rows["input_ids"], rows["loss_mask"], strict=True))
-    ]
+    views = {HELDOUT: Path(snakemake.input.heldout), "evaluation sets": Path(snakemake.input.evaluation)}
+    for name, view in views.items():
+        print(f"{check_view(view)} {name} files hold their rows' token ids")
+    heldout = evaluation_samples(views[HELDOUT])[HELDOUT]
     head = TargetHead(Path(snakemake.input.target))
-    results = {"draft_tokens": params.draft_tokens, "heldout_samples": len(samples)}
+    results, drafters = {"draft_tokens": params.draft_tokens, "heldout_samples": len(heldout)}, {}
     for name, drafter_dir in (("trained", snakemake.input.drafter), ("untrained", snakemake.input.init)):
         check_layer_ids(read_json(Path(drafter_dir) / "config.json"), layer_ids, Path(drafter_dir))
-        drafter = load_drafter(Path(drafter_dir), params.attention)
-        results[name] = evaluate(drafter, head, heldout, samples, params.draft_tokens, params.served)
+        drafters[name] = load_drafter(Path(drafter_dir), params.attention)
+        results[name] = evaluate(drafters[name], head, views[HELDOUT], heldout, params.draft_tokens, params.served)
         print(name, results[name])
+    # the trained drafter on each set, the held-out slice first, at each K
+    sets = {HELDOUT: (views[HELDOUT], heldout, params.served["requests"])}
+    for name, samples in evaluation_samples(views["evaluation sets"]).items():
+        sets[name] = (views["evaluation sets"], samples, len(samples))
+    results["sets"] = {
+        name: set_results(measure(drafters["trained"], head, view, samples, params.sweep, served, params.served["max_tokens"]),
+                          params.served["max_tokens"])
+        for name, (view, samples, served) in sets.items()
+    }  # fmt: skip
     results["gate"] = gate(results, params.min_acceptance_length)
     write_json(snakemake.output.evaluation, results)
     plot_acceptance(results, Path(snakemake.output.plot))

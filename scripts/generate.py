@@ -9,6 +9,7 @@ from draftflow.generate import (
     target_endpoint,
 )
 from draftflow.gpus import claim_gpus
+from draftflow.io import read_json
 from draftflow.rule_log import logged
 from draftflow.vllm_server import vllm_server
 
@@ -34,4 +35,5 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
         output=Path(snakemake.output.samples),
         errors_output=Path(snakemake.output.errors),
         stats_output=Path(snakemake.output.stats),
+        evaluation_ids={i for listed in read_json(snakemake.input.evaluation_sets).values() for i in listed["samples"]},
     )

@@ -1,5 +1,6 @@
 from pathlib import Path
 
+from draftflow.io import read_json
 from draftflow.prepare import prepare
 from draftflow.rule_log import logged
 
@@ -15,5 +16,6 @@ with logged(snakemake.log[0]):
         dataset_output=Path(snakemake.output.dataset),
         token_freq_output=Path(snakemake.output.token_freq),
         stats_output=Path(snakemake.output.stats),
+        evaluation_sets=read_json(snakemake.input.evaluation_sets),
     )
     print(stats)

@@ -1,16 +1,18 @@
-from pathlib import Path
-
 from draftflow.io import write_json, write_jsonl
+from draftflow.prompt_sources import PromptSource
 from draftflow.prompts import select_prompts
 from draftflow.rule_log import logged
 
+params = snakemake.params
 with logged(snakemake.log[0]):
-    rows, stats = select_prompts(
-        [Path(p) for p in snakemake.input.prompt_files],
-        num_samples=snakemake.params.num_samples,
-        seed=snakemake.params.seed,
-        on_bad_row=snakemake.params.on_bad_row,
+    selection = select_prompts(
+        [PromptSource.from_record(record) for record in params.sources],
+        num_samples=params.num_samples,
+        seed=params.seed,
+        on_bad_row=params.on_bad_row,
+        evaluation=[PromptSource.from_record(record) for record in params.evaluation_sets],
     )
-    write_jsonl(snakemake.output.conversations, rows)
-    write_json(snakemake.output.stats, stats.as_dict())
-    print(stats.as_dict())
+    write_jsonl(snakemake.output.conversations, selection.rows)
+    write_json(snakemake.output.stats, selection.stats)
+    write_json(snakemake.output.evaluation_sets, selection.evaluation_sets)
+    print(selection.stats)

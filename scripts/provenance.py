@@ -10,6 +10,5 @@ with logged(snakemake.log[0]):
         Path(snakemake.input.target),
         snakemake.params.target_hub,
         snakemake.params.stage_inputs,
-        Path(snakemake.params.workflow_dir),
     )
     write_json(snakemake.output.provenance, record)

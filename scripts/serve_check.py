@@ -1,22 +1,22 @@
 from pathlib import Path
 
-from datasets import load_from_disk
-
-from draftflow.evaluate import answer_start
+from draftflow.evaluate import evaluation_samples
 from draftflow.gpus import claim_gpus
 from draftflow.io import read_json, write_json
+from draftflow.prompt_sources import HELDOUT
 from draftflow.rule_log import logged
-from draftflow.serve_check import decide, plot_served_acceptance, serve_check, shortfall_problem
+from draftflow.serve_check import decide, plot_served_acceptance, serve_check, served_prompts, shortfall_problem
 
 params = snakemake.params
 with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
-    heldout = load_from_disk(snakemake.input.heldout).with_format(None)
-    prompts = [ids[: answer_start(mask)] for ids, mask in zip(heldout["input_ids"], heldout["loss_mask"], strict=True)]
+    by_set = {**evaluation_samples(Path(snakemake.input.heldout)), **evaluation_samples(Path(snakemake.input.evaluation_sets))}
+    by_set[HELDOUT] = by_set[HELDOUT][: params.max_requests]
     result = serve_check(
         snakemake.input.target,
         Path(snakemake.input.drafter),
         Path(snakemake.input.init),
-        prompts[: params.max_requests],
+        served_prompts(by_set),
+        params.sweep,
         params.draft_tokens,
         params.max_tokens,
         params.server,

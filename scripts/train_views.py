@@ -6,7 +6,7 @@ from draftflow.training_data import build_view, split_rows
 
 with logged(snakemake.log[0]):
     dataset = Path(snakemake.input.dataset)
-    train_rows, heldout_rows = split_rows(dataset, snakemake.params.heldout_fraction, snakemake.params.seed)
+    train_rows, heldout_rows, evaluation_rows = split_rows(dataset, snakemake.params.heldout_fraction, snakemake.params.seed)
     if not train_rows or not heldout_rows:
         raise ValueError(
             f"train.heldout_fraction={snakemake.params.heldout_fraction} leaves "
@@ -15,5 +15,6 @@ with logged(snakemake.log[0]):
     summary = Path(snakemake.input.hidden_states)
     build_view(dataset, summary, train_rows, Path(snakemake.output.train))
     build_view(dataset, summary, heldout_rows, Path(snakemake.output.heldout))
-    write_json(snakemake.output.split, {"train_rows": train_rows, "heldout_rows": heldout_rows})
-    print(f"{len(train_rows)} training samples, {len(heldout_rows)} held out")
+    build_view(dataset, summary, evaluation_rows, Path(snakemake.output.evaluation))
+    write_json(snakemake.output.split, {"train_rows": train_rows, "heldout_rows": heldout_rows, "evaluation_rows": evaluation_rows})
+    print(f"{len(train_rows)} training samples, {len(heldout_rows)} held out, {len(evaluation_rows)} in evaluation sets")

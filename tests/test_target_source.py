@@ -16,7 +16,7 @@ from draftflow.fingerprint import target_fingerprint
 from draftflow.progress import target_model
 from draftflow.provenance import provenance
 from draftflow.target_source import HubRevision, TargetNotFoundError, resolve_target
-from tests.conftest import REPO, demo_config, snakemake
+from tests.conftest import demo_config, snakemake
 
 REPO_ID = "tiny-org/tiny-llama"
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
@@ -106,7 +106,7 @@ def test_fingerprint_and_provenance_change_with_the_commit(hub_cache, tmp_path):
     assert target_fingerprint(local_copy) not in (target_fingerprint(at_a), target_fingerprint(at_b))
 
     source = resolve_target(f"{REPO_ID}@v1")
-    record = provenance({"target": {"path": f"{REPO_ID}@v1"}}, source.folder, source.hub_record(), {}, REPO)
+    record = provenance({"target": {"path": f"{REPO_ID}@v1"}}, source.folder, source.hub_record(), {})
     assert record["target"] == {
         "path": str(at_a),
         "hub": {"repo_id": REPO_ID, "revision": "v1", "commit": COMMIT_A},

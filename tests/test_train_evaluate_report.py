@@ -1,9 +1,14 @@
 """The end of the chain on the demo: a servable drafter, its acceptance and the report."""
 
 import csv
+import hashlib
 import html
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,10 +18,12 @@ from speculators.models.eagle3 import Eagle3DraftModel
 
 from draftflow.config import schema, with_defaults
 from draftflow.evaluate import LayerIdMismatch, check_layer_ids
+from draftflow.model_card import parse_front_matter
 from tests.acceptance import assert_measured_acceptance, assert_served_as_replayed
 from tests.conftest import REPO, copy_demo_run, demo_config, snakemake
 
 pytestmark = pytest.mark.slow
+DRAFTFLOW = str(Path(sys.executable).with_name("draftflow"))  # the command pip installed
 
 
 def test_drafter_loads_and_matches_extraction_and_vocab(demo_run):
@@ -133,3 +140,67 @@ def test_snakemake_report_shows_the_workflow_description_and_every_caption(tmp_p
     assert set(captions) == set(caption_files)
     for output, rst in caption_files.items():
         assert first_sentence(rst) in captions[output], output
+
+
+def test_the_evaluation_sets_are_measured_per_set_category_and_k_offline_and_served(demo_run):
+    """MT-Bench beside the held-out slice, at each K of the sweep: offline (every position and the
+    decoding replay) and served, per category; vLLM's counters as the replay predicts them, set by
+    set; the report's table says the same numbers. MT-Bench's rows are in no training view."""
+    evaluation = json.loads((demo_run / "evaluation/evaluation.json").read_text())
+    served = json.loads((demo_run / "evaluation/served.json").read_text())
+    config = with_defaults(demo_config(), schema())
+    ks = sorted({config["evaluate"]["draft_tokens"], *config["evaluate"]["draft_token_sweep"]})
+    view = load_from_disk(str(demo_run / "training_data/evaluation")).with_format(None)
+    assert set(view["evaluation_set"]) == {"mt_bench"} and len(set(view["category"])) == 8
+    assert not {sid for name in ("train", "heldout") for sid in load_from_disk(str(demo_run / "training_data" / name))["sample_id"]
+                if sid.startswith("mt_bench-")}  # fmt: skip
+    assert set(evaluation["sets"]) == set(served["sets"]) == {"heldout", "mt_bench"}
+    mt_bench = evaluation["sets"]["mt_bench"]
+    assert mt_bench["samples"] == len(view) and sum(c["samples"] for c in mt_bench["categories"].values()) == len(view)
+    report = (demo_run / "report/report.md").read_text()
+    for name, measured in evaluation["sets"].items():
+        assert [int(k) for k in measured["draft_tokens"]] == ks == [int(k) for k in served["sets"][name]["draft_tokens"]]
+        for k, offline in measured["draft_tokens"].items():
+            replay, by_vllm = offline["decoding_replay"], served["sets"][name]["draft_tokens"][k]
+            assert replay["requests"] == by_vllm["requests"] and replay["drafts"] == by_vllm["drafts"], (name, k)
+            assert 0 <= by_vllm["accepted_tokens"] - replay["accepted_tokens"] <= replay["requests"] * max(int(k) - 2, 0)
+            assert (f"| {name} | {measured['samples']} | {k} | {by_vllm['mean_acceptance_length']:.3f} | "
+                    f"{replay['mean_acceptance_length']:.3f} | {offline['mean_acceptance_length']:.3f} |") in report
+        for category, numbers in measured["categories"].items():
+            served_category = served["sets"][name]["categories"][category]["draft_tokens"]
+            assert sum(served_category[k]["drafts"] for k in ["3"]) == numbers["draft_tokens"]["3"]["decoding_replay"]["drafts"]
+    assert served["sets"]["heldout"]["draft_tokens"]["3"]["mean_acceptance_length"] == served["mean_acceptance_length"]
+    assert evaluation["sets"]["heldout"]["draft_tokens"]["3"]["mean_acceptance_length"] == evaluation["trained"]["mean_acceptance_length"]
+    assert (demo_run / "report/acceptance_by_set.png").stat().st_size > 1000
+
+
+def test_the_drafter_ships_with_a_model_card_whose_numbers_are_the_evaluations(demo_run, tmp_path):
+    """drafter/README.md: front matter the hub reads, the serve command, the acceptance table
+    from evaluation.json and served.json, the digests of the files beside it (links to the
+    trained drafter's); `draftflow publish --dry-run` lists them and never prints the token."""
+    drafter = demo_run / "drafter"
+    card = (drafter / "README.md").read_text()
+    matter = parse_front_matter(card)
+    assert matter["base_model"] == "demo-target" and matter["library_name"] == "speculators" and "eagle3" in matter["tags"]
+    command = re.search(r"^vllm serve demo-target --speculative-config '(.*)'$", card, re.MULTILINE)
+    assert json.loads(command.group(1)) == {"model": "results/demo/drafter", "method": "eagle3", "num_speculative_tokens": 3}
+    evaluation = json.loads((demo_run / "evaluation/evaluation.json").read_text())
+    served = json.loads((demo_run / "evaluation/served.json").read_text())
+    for name, measured in evaluation["sets"].items():
+        for k, offline in measured["draft_tokens"].items():
+            by_vllm = served["sets"][name]["draft_tokens"][k]["mean_acceptance_length"]
+            assert f"| {name} | {measured['samples']} | {k} | {by_vllm:.3f} | {offline['decoding_replay']['mean_acceptance_length']:.3f} |" in card
+    for name in ("config.json", "model.safetensors"):
+        assert (drafter / name).resolve() == (demo_run / "drafter_trained" / name).resolve() != drafter / name
+        assert f"`{name}`: sha256 `{hashlib.sha256((drafter / name).read_bytes()).hexdigest()}`" in card
+    listed = subprocess.run([DRAFTFLOW, "publish", str(drafter), "--repo-id", "me/demo-eagle3",
+                             "--dry-run"], capture_output=True, text=True, env={**os.environ, "HF_TOKEN": "hf_secret_value"})  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    shipped = {path.name for path in (demo_run / "drafter_trained").iterdir()} | {"README.md"}
+    assert f"would upload {len(shipped)} files" in listed.stdout and "https://huggingface.co/me/demo-eagle3" in listed.stdout
+    assert "token from $HF_TOKEN: set" in listed.stdout and "hf_secret_value" not in listed.stdout + listed.stderr
+    assert {line.split()[0] for line in listed.stdout.splitlines()[1:]} == shipped
+    (tmp_path / "not-a-drafter").mkdir()
+    refused = subprocess.run([DRAFTFLOW, "publish", str(tmp_path / "not-a-drafter"), "--repo-id",
+                              "me/x", "--dry-run"], capture_output=True, text=True)  # fmt: skip
+    assert refused.returncode == 2 and "lacks config.json, README.md" in refused.stderr
