@@ -85,7 +85,7 @@ STAGES = {
     "provenance": Reads((), after=("prompts", "generate", "prepare", "vocab_map", "extract_plan",
                                    "fidelity_reference", "extract_server", "extract", "drafter_init",
                                    "train_views", "train", "evaluate", "report")),
-    "model_card": Reads(("evaluate.draft_tokens", "evaluate.serve_check", "generate.max_tokens", "generate.temperature", "seed"),
+    "model_card": Reads((*SERVER, "evaluate.draft_tokens", "evaluate.serve_check", "generate.max_tokens", "generate.temperature", "seed"),
                         after=("prompts", "generate", "vocab_map", "extract_plan", "train", "evaluate", "serve_check",
                                "provenance")),
 }  # fmt: skip
@@ -166,11 +166,6 @@ def stage_depends(config: dict, stage: str, identities: dict[str, str]) -> dict:
         depends["extraction"] = extraction_code(config["extract"]["backend"])
     return depends
 
-
-# -- generation -----------------------------------------------------------------------
-
-
-# -- extraction -----------------------------------------------------------------------
 
 def run_generation_key(config: dict, target: TargetModel) -> str:
     """The key a run of ``config`` stores its answers under, as its generate job computes it."""

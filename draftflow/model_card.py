@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 from pathlib import Path
 
 import yaml
@@ -57,8 +58,12 @@ def front_matter(inputs: dict, settings: dict) -> dict:
 
 
 def serve_command(settings: dict, drafter_ref: str) -> str:
+    """The command that serves target and drafter as serve_check served them (the target as the
+    config names it, its server flags), the drafter from ``drafter_ref``."""
+    target = settings["target"]
     speculative = {"model": drafter_ref, "method": "eagle3", "num_speculative_tokens": settings["draft_tokens"]}
-    return f"vllm serve {base_model(settings['target'])} --speculative-config '{json.dumps(speculative)}'"
+    served = target["hub"]["repo_id"] if target.get("hub") else target["path"]
+    return shlex.join(["vllm", "serve", served, *settings["server_args"], "--speculative-config", json.dumps(speculative)])
 
 
 def mix_lines(prompts: dict) -> list[str]:

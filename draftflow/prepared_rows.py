@@ -1,5 +1,6 @@
-"""Which generated rows ``prepare`` keeps, and the tokens each keeps: standard
-library only, so the plan knows them before prepare runs."""
+"""Which generated rows ``prepare`` keeps, the tokens each keeps, and the columns it adds
+to speculators' (the evaluation set and category of a row): standard library only, so
+the plan knows them before prepare runs."""
 
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ rule model_card:
                 "hub": TARGET_SOURCE.hub_record(),
             },
             "draft_tokens": config["evaluate"]["draft_tokens"],
+            "server_args": TARGET_SERVER_FLAGS,
             "generation": {
                 "max_tokens": config["generate"]["max_tokens"],
                 "temperature": config["generate"]["temperature"],

@@ -27,9 +27,14 @@ if SUITE_CACHE:
     os.environ[CACHE_DIR_ENV] = SUITE_CACHE
 
 
-def demo_config(**overrides) -> dict:
-    """The default demo config, with top-level sections updated by ``overrides``."""
+def demo_config(evaluation_sets: bool = True, **overrides) -> dict:
+    """The default demo config, with top-level sections updated by ``overrides``; without
+    ``evaluation_sets``, its MT-Bench set and K sweep left out (runs of their own, not
+    continuing the demo's, save its 80 conversations and two serve_check servers)."""
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    if not evaluation_sets:
+        config["evaluate"] = {key: value for key, value in config["evaluate"].items()
+                              if key not in ("datasets", "draft_token_sweep")}  # fmt: skip
     for key, value in overrides.items():
         if isinstance(value, dict):
             config[key] = {**config.get(key, {}), **value}
@@ -237,7 +242,7 @@ def workdir(tmp_path_factory) -> Path:
 BACKGROUND_RUNS = {
     # the demo's samples in fp8 storage (issue 15), its report set beside the demo's
     "fp8_run": (
-        lambda: demo_config(run="fp8", extract={"storage": "fp8"}, report={"compare_runs": ["demo"]}),
+        lambda: demo_config(False, run="fp8", extract={"storage": "fp8"}, report={"compare_runs": ["demo"]}),
         ("prompts", "synthetic", "prepared", "vocab", "drafter_untrained"),
     ),
 }

@@ -24,7 +24,10 @@ def test_prompts_are_deduplicated_and_sampled(demo_run):
     stats = json.loads((demo_run / "prompts/stats.json").read_text())
     rows = list(iter_jsonl(demo_run / "prompts/conversations.jsonl"))
     assert stats["duplicates"] > 0
-    assert len(rows) == stats["sampled"] == demo_config()["data"]["num_samples"]
+    evaluation_sets = json.loads((demo_run / "prompts/evaluation_sets.json").read_text())
+    evaluation = [row for row in rows if any(row["id"] in listed["samples"] for listed in evaluation_sets.values())]
+    assert len(rows) - len(evaluation) == stats["sampled"] == demo_config()["data"]["num_samples"]
+    assert len(evaluation) == sum(s["sampled"] for s in stats["evaluation_sets"].values()) == 80  # MT-Bench
     assert len({row["id"] for row in rows}) == len(rows)
 
 
@@ -63,7 +66,11 @@ def test_generation_counts_the_flawed_answers_the_rows_hold(demo_run):
     now and then one cut at generate.max_tokens. The counts are the rows' own, recounted here from
     generated.jsonl: an answer long enough to count repeats given to more than one prompt."""
     stats = json.loads((demo_run / "synthetic/stats.json").read_text())
-    rows = list(iter_jsonl(demo_run / "synthetic/generated.jsonl"))
+    evaluation_sets = json.loads((demo_run / "prompts/evaluation_sets.json").read_text())
+    evaluation_ids = {sample for listed in evaluation_sets.values() for sample in listed["samples"]}
+    every_row = list(iter_jsonl(demo_run / "synthetic/generated.jsonl"))
+    rows = [row for row in every_row if row["primary_id"] not in evaluation_ids]  # MT-Bench's are counted apart
+    assert stats["evaluation_set_answers"]["answers"] == len(every_row) - len(rows) > 0
     max_tokens = demo_config()["generate"]["max_tokens"]
     assert stats["truncated"] == sum(row["loss_mask"].count(1) >= max_tokens for row in rows) <= 2
     split = [[tuple(t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m == part) for part in (1, 0)]

@@ -147,7 +147,7 @@ def test_disk_full_stops_the_shard_clearly_and_keeps_earlier_files(tiny_target, 
 
 
 def test_generation_under_load_loses_and_duplicates_nothing(workdir, demo_run):
-    config = demo_config(run="load", generate={"concurrency": 64})
+    config = demo_config(False, run="load", generate={"concurrency": 64})
     snakemake(workdir, config, "results/load/synthetic/stats.json")
     results = workdir / "results/load"
     asked = [json.loads(line)["id"] for line in (results / "prompts/conversations.jsonl").open()]
@@ -165,6 +165,7 @@ def test_external_endpoint_key_comes_from_the_environment_and_stays_out_of_logs(
     args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024", "--api-key", key]
     with vllm_server(target, args, tmp_path / "external.log", env=server_env(demo_config()["vllm"], "cpu")) as external:
         config = demo_config(
+            False,
             run="external",
             data={"num_samples": 12},
             generate={"endpoint": external, "api_key_env": "DRAFTFLOW_TEST_KEY"},

@@ -41,7 +41,7 @@ def test_the_fidelity_gate_names_the_layer_beyond_the_tolerance():
 @pytest.mark.slow
 def test_an_evaluation_gate_above_the_drafter_fails_the_run_and_leaves_no_report(tmp_path, demo_run):
     stages = ("prompts", "synthetic", "prepared", "vocab", "hidden_states", "fidelity", "drafter_untrained",
-              "training_data", "train", "drafter")  # fmt: skip
+              "training_data", "train", "drafter_trained")  # fmt: skip
     results = copy_demo_run(demo_run, tmp_path, *stages)
     shutil.copytree(demo_run.parents[1] / "benchmarks", tmp_path / "benchmarks")
     reached = json.loads((demo_run / "evaluation/evaluation.json").read_text())["trained"]["mean_acceptance_length"]

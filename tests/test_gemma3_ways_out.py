@@ -34,6 +34,7 @@ STATE_TOLERANCE = 1e-5  # float32 states against transformers' full forward pass
 
 def ways_out_config(target, prompts) -> dict:
     return demo_config(
+        False,
         run="gemma3-ways-out",
         target={"path": str(target)},
         data={"prompt_files": [str(prompts)], "num_samples": NUM_SAMPLES},

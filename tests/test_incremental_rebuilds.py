@@ -142,6 +142,7 @@ def requests_served(url: str) -> int:
 
 def config(lab: Path, endpoint: str, **overrides) -> dict:
     base = demo_config(
+        False,
         run=RUN,
         target={"path": TARGET},
         data={"prompt_files": [PROMPTS], "num_samples": 16},
@@ -374,7 +375,7 @@ def test_a_file_of_another_sample_under_a_samples_name_is_extracted_again(lab, s
 def test_training_and_evaluation_refuse_a_file_whose_token_ids_are_not_its_rows(lab, server, start):
     folder = copy_of(start, lab / "mismatched")
     # evaluate first: a failed train job's outputs are gone, and evaluate would train again
-    for view, rule, output in (("heldout", "evaluate", "evaluation/evaluation.json"), ("train", "train", "drafter")):
+    for view, rule, output in (("heldout", "evaluate", "evaluation/evaluation.json"), ("train", "train", "drafter_trained")):
         links = results(folder) / "training_data" / view / "hidden_states"
         victim, other = (links / f"hs_{row}.safetensors" for row in (0, 1))
         sample_id = load_from_disk(str(links.parent)).with_format(None)["sample_id"][0]

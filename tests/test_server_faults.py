@@ -54,7 +54,7 @@ def group_gone_within(pgid: int, seconds: float) -> bool:
 def test_server_killed_mid_generation_fails_clearly_and_a_rerun_resumes(tmp_path, demo_run):
     results = copy_demo_run(demo_run, tmp_path)
     generate = {"concurrency": 4, "max_retries": 1}  # one retry, 2 s after the failure: a short wait
-    config = demo_config(data={"num_samples": 60}, generate=generate, vllm={"port": free_port("127.0.0.1")})
+    config = demo_config(False, data={"num_samples": 60}, generate=generate, vllm={"port": free_port("127.0.0.1")})
     target = "results/demo/synthetic/stats.json"
     code, server_pid = kill_server_during(tmp_path, config, target, lambda: complete_lines(partial_generation(results)) >= 10, "10 answers")
 
@@ -139,7 +139,7 @@ def test_errors_from_a_live_server_count_against_the_budget_and_a_rerun_asks_onl
     target = "results/demo/synthetic/stats.json"
 
     def generate(max_error_fraction: float) -> subprocess.CompletedProcess:
-        config = demo_config(data={"prompt_files": [str(prompts.relative_to(tmp_path))], "num_samples": 20},
+        config = demo_config(False, data={"prompt_files": [str(prompts.relative_to(tmp_path))], "num_samples": 20},
                              # the demo target gives these out-of-domain prompts one answer: flawed, and not this test's point
                              generate={"max_error_fraction": max_error_fraction, "max_retries": 1, "max_degenerate_fraction": 1.0},
                              vllm={"port": free_port("127.0.0.1")})  # fmt: skip

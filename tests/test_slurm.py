@@ -141,7 +141,7 @@ PROMPT_OUTPUTS = ("results/slurm/prompts/conversations.jsonl", "results/slurm/pr
 def test_workflow_runs_through_slurm_and_matches_a_local_run(slurm_cluster, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts)
-    config = demo_config(run="slurm", data={"prompt_files": [str(prompts)], "num_samples": 20})
+    config = demo_config(False, run="slurm", data={"prompt_files": [str(prompts)], "num_samples": 20})
     config_path = tmp_path / "config-slurm.yaml"
     config_path.write_text(yaml.safe_dump(config))
     common = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--configfile", str(config_path)]

@@ -117,7 +117,7 @@ def test_fingerprint_and_provenance_change_with_the_commit(hub_cache, tmp_path):
 def hub_config(tmp_path: Path, target: str) -> dict:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    return demo_config(run="hub", target={"path": target}, data={"prompt_files": [str(prompts)]})
+    return demo_config(False, run="hub", target={"path": target}, data={"prompt_files": [str(prompts)]})
 
 
 def rule_inputs(dry_run_output: str, rule: str) -> list[str]:

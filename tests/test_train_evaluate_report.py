@@ -6,6 +6,7 @@ import html
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from speculators.models.eagle3 import Eagle3DraftModel
 from draftflow.config import schema, with_defaults
 from draftflow.evaluate import LayerIdMismatch, check_layer_ids
 from draftflow.model_card import parse_front_matter
+from draftflow.vllm_server import START_MARKER
 from tests.acceptance import assert_measured_acceptance, assert_served_as_replayed
 from tests.conftest import REPO, copy_demo_run, demo_config, snakemake
 
@@ -182,8 +184,12 @@ def test_the_drafter_ships_with_a_model_card_whose_numbers_are_the_evaluations(d
     card = (drafter / "README.md").read_text()
     matter = parse_front_matter(card)
     assert matter["base_model"] == "demo-target" and matter["library_name"] == "speculators" and "eagle3" in matter["tags"]
-    command = re.search(r"^vllm serve demo-target --speculative-config '(.*)'$", card, re.MULTILINE)
-    assert json.loads(command.group(1)) == {"model": "results/demo/drafter", "method": "eagle3", "num_speculative_tokens": 3}
+    command = shlex.split(re.search(r"^vllm serve .*$", card, re.MULTILINE).group(0))
+    served = (demo_run.parents[1] / "logs/demo/serve_check.server.log").read_text().split(START_MARKER)[-1].splitlines()[0]
+    as_served = shlex.split(served.split(": ", 1)[1])  # the last server serve_check started, at the largest K
+    assert command[2] == "resources/demo-target" and command[3:-2] == as_served[as_served.index("--port") + 2 : -2]
+    assert command[-2] == "--speculative-config"
+    assert json.loads(command[-1]) == {"model": "results/demo/drafter", "method": "eagle3", "num_speculative_tokens": 3}
     evaluation = json.loads((demo_run / "evaluation/evaluation.json").read_text())
     served = json.loads((demo_run / "evaluation/served.json").read_text())
     for name, measured in evaluation["sets"].items():
@@ -196,7 +202,7 @@ def test_the_drafter_ships_with_a_model_card_whose_numbers_are_the_evaluations(d
     listed = subprocess.run([DRAFTFLOW, "publish", str(drafter), "--repo-id", "me/demo-eagle3",
                              "--dry-run"], capture_output=True, text=True, env={**os.environ, "HF_TOKEN": "hf_secret_value"})  # fmt: skip
     assert listed.returncode == 0, listed.stderr
-    shipped = {path.name for path in (demo_run / "drafter_trained").iterdir()} | {"README.md"}
+    shipped = {path.name for path in (demo_run / "drafter_trained").iterdir() if not path.name.startswith(".")} | {"README.md"}
     assert f"would upload {len(shipped)} files" in listed.stdout and "https://huggingface.co/me/demo-eagle3" in listed.stdout
     assert "token from $HF_TOKEN: set" in listed.stdout and "hf_secret_value" not in listed.stdout + listed.stderr
     assert {line.split()[0] for line in listed.stdout.splitlines()[1:]} == shipped

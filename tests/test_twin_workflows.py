@@ -72,6 +72,7 @@ SERVE_CHECKED = "qwen3_moe"  # the family whose copies serve_check's failures ar
 
 def twin_config(family: str, target, prompts) -> dict:
     return demo_config(
+        False,
         run=f"twin-{family}",
         target={"path": str(target)},
         data={"prompt_files": [str(prompts)], "num_samples": len(QUESTIONS)},

@@ -12,14 +12,14 @@ from draftflow.provenance import PACKAGE_ROOT, code_version
 from draftflow.server_flags import extraction_server_flags
 from draftflow.vllm_registry import installed_version, vllm_builds
 
-EXTRACTION_PACKAGES = {"vllm": ("torch", "transformers"), "transformers": ("torch", "transformers")}
+EXTRACTION_PACKAGES = ("torch", "transformers")  # both backends run their layers; vllm's build is added
 
 
 def extraction_code(backend: str) -> dict:
     """The code and package builds that make a hidden-state file's bytes: the backend's
     modules (the connector vLLM's server loads included) and the shard writer's."""
     modules = [PACKAGE_ROOT / "extract" / f"{backend}_backend.py", PACKAGE_ROOT / "extract" / "shards.py"]
-    builds = {name: installed_version(name) or "not installed" for name in EXTRACTION_PACKAGES[backend]}
+    builds = {name: installed_version(name) or "not installed" for name in EXTRACTION_PACKAGES}
     if backend == "vllm":
         builds["vllm"] = ", ".join(vllm_builds()) or "not installed"
     return {"code": "+".join(code_version(module) for module in modules), "builds": builds}
