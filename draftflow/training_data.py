@@ -88,7 +88,7 @@ def build_view(dataset_dir: Path, summary_path: Path, rows: list[int], view_dir:
     columns = dataset.with_format(None)
     files = hidden_state_files(summary_path)
     with atomic_path(view_dir) as tmp:
-        dataset.save_to_disk(str(tmp))
+        dataset.save_to_disk(str(tmp), num_shards=None if rows else 1)  # an empty one needs its one (empty) file to load
         links = tmp / "hidden_states"
         links.mkdir()
         final_links = (view_dir / "hidden_states").resolve()

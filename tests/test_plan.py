@@ -95,6 +95,7 @@ def test_the_demo_plan_after_prepare_holds_the_bytes_the_demo_wrote(workdir, dem
     assert demo_config()["extract"]["shards"] == 2 and extract.jobs == 1
     # the demo's own config again: every answer and every hidden-state file is kept, nothing loads a model
     generate = next(s for s in plan.stages if s.name == "generate")
-    samples = plan.tokens["samples"]
-    assert (generate.reused, generate.computed, generate.model_loads) == (samples, 0, 0)
+    conversations, samples = plan.tokens["conversations"], plan.tokens["samples"]  # a sample per answered turn
+    assert conversations == 240 + 80 and samples > conversations  # MT-Bench's questions have two turns
+    assert (generate.reused, generate.computed, generate.model_loads) == (conversations, 0, 0)
     assert (extract.reused, extract.computed, extract.model_loads) == (samples, 0, 0)

@@ -77,10 +77,14 @@ def test_heldout_samples_never_reach_training(tmp_path, demo_run):
     results = copy_demo_run(demo_run, tmp_path, *stages)
     config = demo_config(train={"epochs": 1})
     snakemake(tmp_path, config, "results/demo/training_data/split.json", "--forcerun", "train_views")  # this code's views
-    views = {name: results / "training_data" / name for name in ("train", "heldout")}
+    views = {name: results / "training_data" / name for name in ("train", "heldout", "evaluation")}
     ids = {name: set(load_from_disk(str(view))["sample_id"]) for name, view in views.items()}
-    assert ids["heldout"] and not ids["train"] & ids["heldout"]
-    assert ids["train"] | ids["heldout"] == set(load_from_disk(str(results / "prepared/dataset"))["sample_id"])
+    assert ids["heldout"] and ids["evaluation"] and not ids["train"] & ids["heldout"]
+    prepared = load_from_disk(str(results / "prepared/dataset")).with_format(None)
+    by_set = [set(sid for sid, name in zip(prepared["sample_id"], prepared["evaluation_set"], strict=True) if bool(name) == evaluated)
+              for evaluated in (False, True)]  # fmt: skip
+    assert ids["train"] | ids["heldout"] == by_set[0] and ids["evaluation"] == by_set[1]
+    del views["evaluation"]  # MT-Bench's: evaluate reads them, training none
     sources = {name: {link.resolve() for link in (view / "hidden_states").iterdir()} for name, view in views.items()}
     assert len(sources["heldout"]) == len(ids["heldout"]) and not sources["train"] & sources["heldout"]
     for source in sources["heldout"]:
