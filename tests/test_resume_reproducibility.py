@@ -35,7 +35,7 @@ def repeat_run(demo_run, tmp_path_factory):
     during generation and once during training, then run to the end."""
     workdir = tmp_path_factory.mktemp("repeat")
     copy_demo_run(demo_run, workdir)
-    config = demo_config(False)
+    config = demo_config()  # the demo's, MT-Bench included: its files are compared with the demo's
     results = workdir / "results/demo"
     store = results / "synthetic/work/answers-????????????????.jsonl"  # not .errors.jsonl
     kill_when(workdir, config, lambda: answers(store) >= 40, "40 answers")
@@ -48,11 +48,14 @@ def repeat_run(demo_run, tmp_path_factory):
 
 def test_generation_resumed_without_losing_or_duplicating_samples(repeat_run):
     results, answered_before_kill = repeat_run
-    ids = [row["primary_id"] for row in iter_jsonl(results / "synthetic/generated.jsonl")]
-    assert len(ids) == len(set(ids)) == demo_config(False)["data"]["num_samples"]
+    rows = list(iter_jsonl(results / "synthetic/generated.jsonl"))
+    conversations = [row["id"] for row in iter_jsonl(results / "prompts/conversations.jsonl")]
+    ids = [row["id"] for row in rows]  # a row per answered turn (MT-Bench's questions have two)
+    assert len(ids) == len(set(ids)) and {row["primary_id"] for row in rows} == set(conversations)
+    assert len(conversations) == demo_config()["data"]["num_samples"] + 80
     log = (results.parents[1] / "logs/demo/generate.log").read_text()
     regenerated = int(log.rsplit("Pipeline complete in", 1)[1].split(": ", 1)[1].split(" conversations")[0])
-    assert regenerated <= len(ids) - answered_before_kill
+    assert regenerated <= len(conversations) - answered_before_kill
 
 
 def test_training_resumed_from_its_last_checkpoint(repeat_run):

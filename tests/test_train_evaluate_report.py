@@ -141,6 +141,7 @@ def test_snakemake_report_shows_the_workflow_description_and_every_caption(tmp_p
         "report.md": "summary.rst",
         "coverage.png": "coverage.rst",
         "acceptance.png": "acceptance.rst",
+        "acceptance_by_set.png": "acceptance_by_set.rst",
         "served_acceptance.png": "served_acceptance.rst",
     }
     assert set(captions) == set(caption_files)
