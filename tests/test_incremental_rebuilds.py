@@ -339,7 +339,7 @@ def test_the_incremental_run_makes_the_clean_runs_files(edited):
     renames = {str(edited["incremental"]).encode(): str(edited["clean"]).encode()}
     compared = assert_same_files(clean, incremental, renames, stages_of_first_only=not trained)
     assert {"synthetic/generated.jsonl", "prepared/dataset/state.json", "training_data/split.json"} <= compared
-    assert ({"drafter/model.safetensors", "evaluation/evaluation.json"} <= compared) == trained
+    assert ({"drafter_trained/model.safetensors", "evaluation/evaluation.json"} <= compared) == trained
     assert sum(name.startswith("hidden_states/shard-") and name.endswith(".safetensors") for name in compared) == len(
         prepared_rows(edited["clean"])
     )

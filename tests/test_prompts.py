@@ -177,7 +177,7 @@ def test_the_real_sharegpt_file_reads_through_the_prompts_stage_with_its_counts(
     with dataset_path() as path:
         text = path.read_text()
         elements = json.loads(text[: text.rfind("\n  },\n  {") + 4] + "]")  # every element before the cut one
-        config = demo_config(data={"prompt_files": [str(path)], "num_samples": 1000, "on_bad_row": "skip"})
+        config = demo_config(False, data={"prompt_files": [str(path)], "num_samples": 1000, "on_bad_row": "skip"})
         snakemake(tmp_path, config, "results/demo/prompts/stats.json")
     stats = json.loads((tmp_path / "results/demo/prompts/stats.json").read_text())
     users = [[t["value"] for t in row["conversations"] if t["from"] in ("human", "user") and t["value"].strip()]

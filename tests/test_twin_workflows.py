@@ -204,7 +204,7 @@ def serve_check_again(twin_run, tmp_path, config_edit: dict, drafter_edit, weigh
         pytest.skip(f"tried on the {SERVE_CHECKED} twin")
     for folder in ("results", ".snakemake"):
         shutil.copytree(run.parents[1] / folder, tmp_path / folder, symlinks=True)
-    drafter = tmp_path / "results" / run.name / "drafter"
+    drafter = tmp_path / "results" / run.name / "drafter_trained"  # what serve_check serves: train's output
     (drafter / "config.json").write_text(json.dumps(drafter_edit(json.loads((drafter / "config.json").read_text()))))
     if weights_edit:
         weights = load_file(drafter / "model.safetensors")
