@@ -36,8 +36,6 @@ with logged(snakemake.log[0]):
     for name, drafter_dir in (("trained", snakemake.input.drafter), ("untrained", snakemake.input.init)):
         check_layer_ids(read_json(Path(drafter_dir) / "config.json"), layer_ids, Path(drafter_dir))
         drafters[name] = load_drafter(Path(drafter_dir), params.attention)
-        results[name] = evaluate(drafters[name], head, views[HELDOUT], heldout, params.draft_tokens, params.served)
-        print(name, results[name])
     # the trained drafter on each set, the held-out slice first, at each K
     sets = {HELDOUT: (views[HELDOUT], heldout, params.served["requests"])}
     for name, samples in evaluation_samples(views["evaluation sets"]).items():
@@ -47,6 +45,11 @@ with logged(snakemake.log[0]):
                           params.served["max_tokens"])
         for name, (view, samples, served) in sets.items()
     }  # fmt: skip
+    # the gate's figures: the trained drafter's are the held-out slice's at draft_tokens, measured above
+    results["trained"] = results["sets"][HELDOUT]["draft_tokens"][str(params.draft_tokens)]
+    results["untrained"] = evaluate(drafters["untrained"], head, views[HELDOUT], heldout, params.draft_tokens, params.served)
+    for name in ("trained", "untrained"):
+        print(name, results[name])
     results["gate"] = gate(results, params.min_acceptance_length)
     write_json(snakemake.output.evaluation, results)
     plot_acceptance(results, Path(snakemake.output.plot))
