@@ -75,7 +75,7 @@ def leave_the_first_run(workdir: Path, config: dict, target: Path) -> None:
     rng = random.Random(0)
     first = config_selection({**config, "data": {**config["data"], "num_samples": BEFORE}}).rows
     run_dir = workdir / "results" / config["run"]
-    store = answer_store(run_dir / "synthetic/work", run_generation_key(config, read_target_model(target)))
+    store = answer_store(run_dir / "synthetic/work", run_generation_key(config, read_target_model(target)), 0)
     samples, rows = [], []
     for conversation in first:
         ids = [rng.randrange(TARGET["vocab_size"]) for _ in range(TOKENS_PER_SAMPLE)]
@@ -106,7 +106,7 @@ def summary(plan) -> dict:
     stages = {s.name: s for s in plan.stages}
     pick = lambda name: {"hours": stages[name].seconds / 3600, "model_loads": stages[name].model_loads,  # noqa: E731
                          "kept": stages[name].reused, "computed": stages[name].computed}  # fmt: skip
-    return {"samples": plan.tokens["samples"], "generate": pick("generate"), "extract_server": pick("extract_server"),
+    return {"samples": plan.tokens["samples"], "generate_server": pick("generate_server"), "extract_server": pick("extract_server"),
             "total_hours": plan.total_seconds / 3600, "total_gpu_hours": plan.total_gpu_hours}  # fmt: skip
 
 
@@ -126,7 +126,7 @@ def main() -> None:
         leave_the_first_run(workdir, config, target)
         after = summary(build_plan(config, run_dir, rates, free_bytes=10**14, local_gpus=8))
     result = {"grow": f"{BEFORE:,} -> {AFTER:,} samples", "rates": rates.source, "before": before, "after": after}
-    for name in ("generate", "extract_server"):
+    for name in ("generate_server", "extract_server"):
         print(f"{name}: {before[name]['hours']:.2f} h before, {after[name]['hours']:.2f} h after "
               f"(kept {after[name]['kept']:,}, computed {after[name]['computed']:,})")  # fmt: skip
     print(f"whole run: {before['total_hours']:.2f} h before, {after['total_hours']:.2f} h after; "

@@ -1,16 +1,21 @@
 """The answer store: every answer generation got, found by what was asked.
 
-``results/<run>/synthetic/work/answers-<key>.jsonl`` holds speculators' client
-rows for one target and one set of generation settings (``<key>``), each asked
-under its conversation's content key (``conversation_key``) instead of its id;
-``answers-<key>.errors.jsonl`` beside it holds the client's errors. Standard
-library only: the plan reads it too.
+``results/<run>/synthetic/work/answers-<key>.server-<s>.jsonl`` holds speculators'
+client rows that generation job ``s`` got for one target and one set of generation
+settings (``<key>``), each asked under its conversation's content key
+(``conversation_key``) instead of its id; ``answers-<key>.server-<s>.errors.jsonl``
+beside it holds the client's errors. The store of a key is all its files, whatever
+the job count that wrote them (and ``answers-<key>.jsonl``, the one file of draftflow
+before ``generate.servers``): a job asks only what none of them holds. Which job
+asks a conversation follows from its key alone (``server_of``). Standard library
+only: the plan reads it too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,21 +78,58 @@ def generation_key(target: Path, server_args: list[str], max_tokens: int, temper
     return hashlib.sha256(json.dumps(shaping).encode()).hexdigest()[:16]
 
 
-def answer_store(work_dir: Path, key: str) -> Path:
-    """The answers of every conversation asked under the generation ``key``
-    (``generation_key``) in any run of this folder, by each conversation's content
-    (``conversation_key``): a rerun asks only the conversations it lacks, wherever
-    they sit in the prompts now.
+def answer_store(work_dir: Path, key: str, server: int) -> Path:
+    """The file generation job ``server`` appends the answers it gets under the
+    generation ``key`` (``generation_key``) to, in any run of this folder.
 
     It is not a declared output, so Snakemake keeps it when the job fails or the
-    prompts change; another key uses another store.
+    prompts change; another key uses other files.
     """
-    return work_dir / f"answers-{key}.jsonl"
+    return work_dir / f"answers-{key}.server-{server}.jsonl"
 
 
-def other_stores(store: Path) -> list[Path]:
-    """The answer stores beside ``store`` under other keys."""
-    return sorted(path for path in store.parent.glob("answers-*.jsonl") if path.name.count(".") == 1 and path != store)
+JOB_RECORDS = "servers"
+
+
+def job_record(synthetic: str | Path, server: int | str) -> str:
+    """Generation job ``server``'s record of its share (``generate.answer_share``), under
+    the stage's folder: the job's output, which the gather reads."""
+    return f"{synthetic}/{JOB_RECORDS}/server-{server}.json"
+
+
+def job_records(synthetic: Path) -> list[Path]:
+    """The generation jobs' records a run left, in job order."""
+    return sorted((synthetic / JOB_RECORDS).glob("server-*.json"), key=lambda path: int(path.stem.split("-")[1]))
+
+
+# answers-<key>.jsonl (before generate.servers) or answers-<key>.server-<s>.jsonl
+STORE_FILE = re.compile(r"answers-(?P<key>[0-9a-f]+)(?:\.server-(?P<server>\d+))?\.jsonl")
+
+
+def store_files(work_dir: Path, key: str) -> list[Path]:
+    """The files holding answers under ``key``: the one-file store of an earlier
+    draftflow first, then each job's in job order."""
+    found = [(m, path) for path in work_dir.glob(f"answers-{key}*.jsonl") if (m := STORE_FILE.fullmatch(path.name))]
+    return [path for m, path in sorted(found, key=lambda item: int(item[0]["server"] or -1)) if m["key"] == key]
+
+
+def other_stores(work_dir: Path, key: str) -> list[str]:
+    """The keys of the other answer stores in ``work_dir``."""
+    keys = {m["key"] for path in work_dir.glob("answers-*.jsonl") if (m := STORE_FILE.fullmatch(path.name))}
+    return sorted(keys - {key})
+
+
+def server_of(key: str, servers: int) -> int:
+    """The generation job that asks the conversation of content key ``key``, of
+    ``servers``: the highest of a hash of the two (rendezvous hashing), so another
+    job count moves only the conversations that the jobs added or removed win or
+    held, and new conversations spread evenly."""
+    return max(range(servers), key=lambda server: hashlib.sha256(f"{key}/{server}".encode()).digest())
+
+
+def share(conversations: list[dict], server: int, servers: int) -> list[dict]:
+    """The conversations generation job ``server`` of ``servers`` asks."""
+    return [c for c in conversations if server_of(conversation_key(c), servers) == server]
 
 
 def conversation_key(conversation: dict) -> str:
@@ -95,10 +137,9 @@ def conversation_key(conversation: dict) -> str:
     return content_hash(conversation["messages"])
 
 
-def unasked(conversations: list[dict], store: Path) -> list[dict]:
-    """The conversations the store holds no answer for, under their key as id (the
-    client keeps the id as each answer's ``primary_id``)."""
-    answered = set(stored_answers(store))
+def unasked(conversations: list[dict], answered: dict[str, list[dict]]) -> list[dict]:
+    """The conversations without answers in ``answered`` (``stored_answers``), under
+    their key as id (the client keeps the id as each answer's ``primary_id``)."""
     return [
         {**conversation, "id": key}
         for conversation in conversations
@@ -106,11 +147,16 @@ def unasked(conversations: list[dict], store: Path) -> list[dict]:
     ]
 
 
-def stored_answers(store: Path) -> dict[str, list[dict]]:
-    """The store's rows by conversation key; a last line torn by a kill is skipped."""
+def stored_answers(files: list[Path]) -> dict[str, list[dict]]:
+    """The rows of a store's ``files`` (``store_files``) by conversation key; a last
+    line torn by a kill is skipped. A conversation's rows come from one file (the
+    first holding it): a job asks only what no file holds, so this is a guard."""
     by_key: dict[str, list[dict]] = {}
-    for row in iter_complete_lines(store):
-        by_key.setdefault(row["primary_id"], []).append(row)
+    for file in files:
+        found: dict[str, list[dict]] = {}
+        for row in iter_complete_lines(file):
+            found.setdefault(row["primary_id"], []).append(row)
+        by_key |= {key: rows for key, rows in found.items() if key not in by_key}
     return by_key
 
 

@@ -53,7 +53,8 @@ EXTRACTION_JOB = (*SERVER, *EXTRACTION, "extract.token_budget", "extract.compile
 
 STAGES = {
     "prompts": Reads(("data", "evaluate.datasets", "seed")),
-    "generate": Reads((*SERVER, "generate"), after=("prompts",), target="target"),
+    "generate_server": Reads((*SERVER, "generate"), after=("prompts",), target="target"),
+    "generate": Reads((*SERVER, "generate"), after=("prompts", "generate_server"), target="target"),
     "prepare": Reads(("prepare", "vllm.extra_args"), after=("prompts", "generate"), target="tokenizer"),
     "vocab_map": Reads(("vocab",), after=("prepare",), target="model"),
     "extract_plan": Reads((*SERVER, *EXTRACTION, "extract.layer_ids", "extract.shards", "extract.servers",
@@ -106,6 +107,7 @@ NO_EFFECT = {
     "vllm.cpu_single_process": "whether vLLM's engine runs in its own process",
     "vllm.data_parallel_size": UNKEYED_SERVER_FLAGS["--data-parallel-size"],
     "vllm.max_model_len": UNKEYED_SERVER_FLAGS["--max-model-len"],
+    "generate.servers": "how many jobs share the conversations; an answer does not depend on the job that asked it",
     "generate.endpoint": "who serves the target; its answers are keyed as the config describes that server",
     "generate.api_key_env": "the credential that opens the endpoint",
     "generate.concurrency": "requests in flight at once",

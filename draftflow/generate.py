@@ -19,9 +19,12 @@ from transformers import AutoTokenizer
 from draftflow.answer_checks import CUT, LIKELY_CAUSES, ONE_TOKEN, FlawedAnswers, answer_flaws, check_answers, flaw_stats
 from draftflow.answers import (
     AppendedRows,
+    answer_store,
     as_asked,
     conversation_key,
     other_stores,
+    share,
+    store_files,
     stored_answers,
     stored_rows,
     unasked,
@@ -183,16 +186,15 @@ def completion_ids(row: dict) -> list[int]:
     return [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
 
 
-def generation_stats(
-    rows: list[dict], errors: list[dict], tokenizer, end_marker: str, seconds: float, asked_now: set[str]
-) -> dict:
-    """``asked_now``: the conversations this run asked (the others' answers were stored
-    by earlier runs); the throughput counts only theirs."""
-    generated_now = sum(row["loss_mask"].count(1) for row in rows if row["primary_id"] in asked_now)
+def generation_stats(rows: list[dict], errors: list[dict], tokenizer, end_marker: str, jobs: list[dict]) -> dict:
+    """``jobs``: each generation job's record (``answer_share``); the throughput counts
+    only what they asked (the other answers were stored by earlier runs)."""
     completions = [tokenizer.decode(completion_ids(row)) for row in rows]
     prompt_tokens = [row["loss_mask"].count(0) for row in rows]
     response_tokens = [row["loss_mask"].count(1) for row in rows]
     captured = sum(end_marker in text for text in completions)
+    generated_now = sum(job["response_tokens_generated"] for job in jobs)
+    server_seconds = sum(job["seconds"] for job in jobs)
     return {
         "samples": len(rows),
         "conversations": len({row["primary_id"] for row in rows}),
@@ -201,10 +203,11 @@ def generation_stats(
         "mean_prompt_tokens": mean(prompt_tokens) if rows else 0.0,
         "mean_response_tokens": mean(response_tokens) if rows else 0.0,
         "response_tokens": sum(response_tokens),
-        "conversations_asked": len(asked_now & {row["primary_id"] for row in rows}),
+        "servers": len(jobs),
+        "conversations_asked": sum(job["conversations_asked"] for job in jobs),
         "response_tokens_generated": generated_now,
-        "wall_seconds": seconds,
-        "response_tokens_per_second": generated_now / seconds if seconds else 0.0,
+        "server_seconds": server_seconds,
+        "response_tokens_per_second": generated_now / server_seconds if server_seconds else 0.0,
     }
 
 
@@ -247,13 +250,58 @@ def lost_turns_warnings(stats: dict, max_tokens: int) -> list[str]:
     ]
 
 
-def finish(
-    store: Path,
+def answered(work_dir: Path, key: str, conversations: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The stored answers (every file of the key) to ``conversations``, sorted by id
+    (completion order varies), and the errors of those left unanswered."""
+    files = store_files(work_dir, key)
+    rows = sorted(stored_rows(stored_answers(files), conversations), key=lambda row: row["id"])
+    errors = unresolved_errors([errors_path(file) for file in files], conversations, {row["primary_id"] for row in rows})
+    return rows, errors
+
+
+def answer_share(
     conversations: Path,
+    work_dir: Path,
+    key: str,
+    server: int,
+    servers: int,
+    settings: GenerationSettings,
+    endpoint: Callable[[], AbstractContextManager[str]],
+    server_log: Path | None,
+    tokenizer_dir: str,
+    output: Path,
+) -> dict:
+    """Generation job ``server`` of ``servers``: ask the target its share of the
+    conversations (``answers.share``) that no file of the store holds, into its own
+    file, and record what it asked; the error budget holds for its share (the early
+    check for its first answers). The degeneracy gate is the gather's (``finish``):
+    a share's flawed fraction varies by chance around the whole's."""
+    asked = share(list(iter_jsonl(conversations)), server, servers)
+    label = f"generation job {server} of {servers}"
+    seconds, asked_now = ask_unanswered(asked, work_dir, key, server, settings, endpoint, server_log, tokenizer_dir, label)
+    rows, errors = answered(work_dir, key, asked)
+    record = {
+        "server": server,
+        "servers": servers,
+        "conversations": len(asked),
+        "answered": len({row["primary_id"] for row in rows}),
+        "errors": len(errors),
+        "conversations_asked": len(asked_now & {row["primary_id"] for row in rows}),
+        "response_tokens_generated": sum(row["loss_mask"].count(1) for row in rows if row["primary_id"] in asked_now),
+        "seconds": seconds,
+    }
+    write_json(output, record)
+    check_error_rate(record["answered"], record["errors"], settings.max_error_fraction, errors_path(answer_store(work_dir, key, server)), label)
+    return record
+
+
+def finish(
+    work_dir: Path,
+    key: str,
+    conversations: Path,
+    jobs: list[dict],
     tokenizer_dir: str,
     settings: GenerationSettings,
-    seconds: float,
-    asked_now: set[str],
     endpoint: str,
     server_args: list[str] | None,
     output: Path,
@@ -261,29 +309,28 @@ def finish(
     stats_output: Path,
     evaluation_ids: set[str] = frozenset(),
 ) -> dict:
-    """Write the answers of ``conversations`` from the answer store, sorted by id
-    (completion order varies), their errors and stats (with the user turns lost
-    to ``generate.max_tokens``, warned about in the log); ``asked_now``: the ids
-    of the conversations this run asked.
+    """Gather the generation jobs' answers (``jobs``: their records): write the answers
+    of ``conversations`` from every file of the store, sorted by id, as one job would
+    have, their errors and stats (with the user turns lost to ``generate.max_tokens``,
+    warned about in the log), and hold the error budget and the degeneracy gate
+    over them all.
 
     ``endpoint`` replaces the URL the client recorded in each row: a local
     server's port is random and would make reruns differ. ``server_args``: the
-    flags of the server the rule started (None: an endpoint's), which say the chat
+    flags of the servers the jobs started (None: an endpoint's), which say the chat
     template it rendered with. ``evaluation_ids``: the conversations of evaluation sets, whose
     flawed answers are counted apart and fail nothing (generate.max_degenerate_fraction
     guards what the drafter trains on).
     """
     asked = list(iter_jsonl(conversations))
-    rows = sorted(stored_rows(stored_answers(store), asked), key=lambda row: row["id"])
+    rows, errors = answered(work_dir, key, asked)
     for row in rows:
         row["metadata"]["endpoint"] = endpoint
+    errors_files = ", ".join(str(errors_path(file)) for file in store_files(work_dir, key))
     if not rows:
-        raise RuntimeError(
-            f"No conversation was answered; see {errors_path(store)} for why."
-        )
-    errors = unresolved_errors(errors_path(store), asked, {row["primary_id"] for row in rows})
+        raise RuntimeError(f"No conversation was answered; see {errors_files or work_dir} for why.")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    stats = generation_stats(rows, errors, tokenizer, settings.reasoning_end_marker, seconds, asked_now)
+    stats = generation_stats(rows, errors, tokenizer, settings.reasoning_end_marker, jobs)
     stats |= lost_turn_stats(asked, rows)
     stats["chat_template"] = generation_record(tokenizer, tokenizer_dir, server_args)
     print(f"Prompts rendered with the chat template: {stats['chat_template']['source']}, sha256 {stats['chat_template']['sha256']}")
@@ -298,17 +345,17 @@ def finish(
         print(f"WARNING: {warning}")
     write_jsonl(errors_output, errors)
     write_json(stats_output, stats)
-    check_error_rate(stats, settings.max_error_fraction, errors_path(store))
+    check_error_rate(stats["conversations"], stats["errors"], settings.max_error_fraction, errors_files, "generation")
     limit, counted = "generate.max_degenerate_fraction", f"counts in {stats_output}"
     check_answers(training, flaws, tokenizer.decode, settings.max_degenerate_fraction, limit, counted)
     write_jsonl(output, rows)
     return stats
 
 
-def unresolved_errors(path: Path, conversations: list[dict], answered: set[str]) -> list[dict]:
+def unresolved_errors(files: list[Path], conversations: list[dict], answered: set[str]) -> list[dict]:
     """The latest error of each of ``conversations`` that no (re)run answered since,
-    under the conversation's id."""
-    latest = {row["id"]: row for row in iter_jsonl(path)} if path.exists() else {}
+    under the conversation's id (``files``: the store's errors files, in order)."""
+    latest = {row["id"]: row for file in files if file.exists() for row in iter_jsonl(file)}
     errors = []  # keyed by conversation_key, as the client was asked
     for position, conversation in enumerate(conversations):
         error = latest.get(conversation_key(conversation))
@@ -317,11 +364,11 @@ def unresolved_errors(path: Path, conversations: list[dict], answered: set[str])
     return sorted(errors, key=lambda row: row["id"])
 
 
-def check_error_rate(stats: dict, max_fraction: float, errors_file: Path) -> None:
-    attempted = stats["conversations"] + stats["errors"]
-    if stats["errors"] > max_fraction * attempted:
+def check_error_rate(answered: int, errors: int, max_fraction: float, errors_file: Path | str, label: str) -> None:
+    attempted = answered + errors
+    if errors > max_fraction * attempted:
         raise RuntimeError(
-            f"{stats['errors']} of {attempted} conversations failed (more than "
+            f"{label}: {errors} of {attempted} conversations failed (more than "
             f"generate.max_error_fraction={max_fraction}); their errors are in {errors_file}. "
             "Fix the cause (server log, endpoint) and rerun: answered conversations are kept "
             "and only the failed ones are asked again."
@@ -335,23 +382,27 @@ def timed(function, *args) -> float:
 
 
 def ask_unanswered(
-    conversations: Path,
-    store: Path,
+    asked: list[dict],
+    work_dir: Path,
+    key: str,
+    server: int,
     settings: GenerationSettings,
     endpoint: Callable[[], AbstractContextManager[str]],
     server_log: Path | None,
     tokenizer_dir: str,
+    label: str,
 ) -> tuple[float, set[str]]:
-    """Ask the target only the conversations the store lacks (starting no server
-    when there are none); the seconds generation took and the ids it asked."""
-    asked = list(iter_jsonl(conversations))
-    todo = unasked(asked, store)
-    print(f"{len(asked)} conversations: {len(asked) - len(todo)} answered before (in {store.name}), {len(todo)} to ask")
-    if not store.exists() and (others := other_stores(store)):
+    """Ask the target only the conversations of ``asked`` that no file of the store of
+    ``key`` answers, appending to job ``server``'s file (starting no server when there
+    are none); the seconds generation took and the ids it asked."""
+    files, store = store_files(work_dir, key), answer_store(work_dir, key, server)
+    todo = unasked(asked, stored_answers(files))
+    print(f"{label}: {len(asked)} conversations: {len(asked) - len(todo)} answered before, {len(todo)} to ask")
+    if not files and (others := other_stores(work_dir, key)):
         print(
-            f"{len(others)} other answer store(s) beside it ({', '.join(p.name for p in others)}) hold answers of "
-            "another target, chat template, server flags or sampling settings (or of draftflow before it keyed the "
-            "chat template and the weights): kept, not used"
+            f"{len(others)} other answer store(s) beside it ({', '.join(f'answers-{other}' for other in others)}) hold "
+            "answers of another target, chat template, server flags or sampling settings (or of draftflow before it "
+            f"keyed the chat template and the weights): kept, not used (this run's: answers-{key})"
         )
     if not todo:
         return 0.0, set()

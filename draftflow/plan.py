@@ -35,8 +35,10 @@ import yaml
 
 from draftflow import run_folder
 from draftflow.answers import (
-    answer_store,
+    JOB_RECORDS,
     conversation_key,
+    job_records,
+    store_files,
     stored_answers,
     stored_rows,
 )
@@ -66,9 +68,10 @@ from draftflow.units import fmt_bytes, fmt_duration, parse_size
 
 FITS, WILL_NOT_FIT = 0, 3
 # Stages whose time the plan models from the data's size; the others' it takes as measured.
-SIZED_STAGES = ("generate", "prepare", "extract_server", "train")
+SIZED_STAGES = ("generate_server", "prepare", "extract_server", "train")
 MEASURED_STAGES = tuple(stage.rule for stage in run_folder.STAGES if stage.rule not in SIZED_STAGES)
 LOAD_SHARE_WARNING = 0.25
+SERVER_COUNTS = {"generate_server": "generate.servers", "extract_server": "extract.servers"}  # the config key of each
 CHARS_PER_TOKEN = 4  # prompts not yet tokenized: a common rule of thumb for English text
 
 
@@ -90,7 +93,7 @@ class Rates:
 
 
 # Sources: "cpu" is this repository's demo on 2 cores (make test, 2026-11-30; the two
-# fidelity jobs 2026-12-03);
+# fidelity jobs 2026-12-03; the generation gather 2026-12-05);
 # "cuda" takes the 1T reference run of issue 14 (Kimi-K2 class, TP 8: model
 # load 24.5 min, extraction 2.5 samples/s of ~1,450 tokens) and BENCHMARKS.md
 # (H200: training 36,442 tokens/s); generation on a GPU was not measured here:
@@ -98,12 +101,12 @@ class Rates:
 # earlier run (--rates results/<run>) replace all of them.
 DEFAULT_RATES = {
     "cpu": Rates("defaults: the demo on 2 CPU cores", 20.0, 765.0, 2230.0, 540.0, 3000.0,
-                 {"prompts": 0.1, "vocab_map": 7.6, "extract_plan": 2.3, "extract": 2.0, "fidelity_reference": 8.1,
+                 {"prompts": 0.1, "generate": 6.6, "vocab_map": 7.6, "extract_plan": 2.3, "extract": 2.0, "fidelity_reference": 8.1,
                   "fidelity": 3.2, "drafter_init": 13.4, "train_views": 2.0, "evaluate": 7.6, "serve_check": 25.0,
                   "report": 0.5, "provenance": 0.1}),
     "cuda": Rates("defaults: the 1T reference run and BENCHMARKS.md (generation assumed)", 1470.0, 5000.0,
                   20000.0, 3600.0, 36442.0,
-                  {"prompts": 1.0, "vocab_map": 60.0, "extract_plan": 60.0, "extract": 10.0, "fidelity_reference": 600.0,
+                  {"prompts": 1.0, "generate": 120.0, "vocab_map": 60.0, "extract_plan": 60.0, "extract": 10.0, "fidelity_reference": 600.0,
                    "fidelity": 60.0, "drafter_init": 120.0, "train_views": 60.0, "evaluate": 600.0, "serve_check": 1800.0,
                    "report": 5.0, "provenance": 1.0}),
 }  # fmt: skip
@@ -155,12 +158,21 @@ def rates_from_run(run_dir: Path) -> Rates:
         for path in layout.heartbeats(run_folder.hidden_states_dir(run_dir))
         if (h := read_json(path)).get("loads_model") and h.get("model_ready_at")
     ]
-    load = sum(loads) / len(loads) if loads else seconds["generate"] - generated["wall_seconds"]
+    jobs = generation_jobs(run_dir)
+    if not jobs:
+        raise ValueError(
+            f"{run_dir} holds no generation job records ({run_folder.stage_dir(run_dir, 'generate').name}/"
+            f"{JOB_RECORDS}/): a run of a draftflow before generate.servers. Give its rates as a YAML file of "
+            "draftflow.plan.Rates' fields instead (--rates FILE)."
+        )
+    asking = [job for job in jobs if job["conversations_asked"]] or jobs  # a job that asks nothing starts no server
+    job_seconds = [seconds[f"generate_server-{job['server']}"] for job in asking]
+    load = sum(loads) / len(loads) if loads else sum(s - job["seconds"] for s, job in zip(job_seconds, asking)) / len(asking)
     servers = [s for name, s in seconds.items() if name.startswith("extract_server-")]
     return Rates(
         source=f"measured by {run_dir}",
         model_load_s=load,
-        generate_tokens_per_s=generated_tokens(generated) / max(seconds["generate"] - load, 1e-9),
+        generate_tokens_per_s=generated_tokens(generated) / max(sum(job_seconds) - len(asking) * load, 1e-9),
         prepare_tokens_per_s=prepared["tokens"] / seconds["prepare"],
         extract_tokens_per_s=extracted["tokens"] / max(sum(servers) - len(loads or servers) * load, 1e-9),
         train_tokens_per_s=prepared["tokens"] * trained["epochs"] / seconds["train"] / max(1, trained["gpus"]),
@@ -170,6 +182,11 @@ def rates_from_run(run_dir: Path) -> Rates:
         response_tokens=generated["mean_response_tokens"],
         prompt_tokens=generated["mean_prompt_tokens"],
     )
+
+
+def generation_jobs(run_dir: Path) -> list[dict]:
+    """Each generation job's record of its share (``generate.answer_share``)."""
+    return [read_json(path) for path in sorted(job_records(run_folder.stage_dir(run_dir, "generate")))]
 
 
 def generated_tokens(stats: dict) -> int:
@@ -252,8 +269,7 @@ def token_counts(config: dict, run_dir: Path, rates: Rates, target: TargetModel,
         return work_from_stats(config, run_dir, rates)
     prepare = config["prepare"]
     conversations = config_selection(config, base).rows
-    store = answer_store(run_folder.stage_dir(run_dir, "generate") / "work", run_generation_key(config, target))
-    answers = stored_answers(store)
+    answers = stored_answers(store_files(run_folder.stage_dir(run_dir, "generate") / "work", run_generation_key(config, target)))
     new = [c for c in conversations if conversation_key(c) not in answers]
     rows = stored_rows(answers, conversations)
     max_length = prepare["max_seq_length"]
@@ -315,8 +331,14 @@ def plan_stages(config: dict, target: TargetModel, num_layer_ids: int, work: dic
     extract_loads = servers if work["to_extract"] else 0  # a server job with nothing to extract loads nothing
     per_server = (load if extract_loads else 0.0) + work["tokens_to_extract"] / servers / rates.extract_tokens_per_s
     extract_wall = math.ceil(servers / at_once) * per_server
+    # generation: each job asks an even share (a hash of each conversation's content)
+    generators = config["generate"]["servers"]
+    generate_gpus = 0 if config["generate"]["endpoint"] else gpus
+    generators_at_once = generators if local_gpus is None or generate_gpus == 0 else max(1, min(generators, local_gpus // generate_gpus))
     starts_server = bool(work["to_ask"]) and not config["generate"]["endpoint"]  # nothing to ask: no server starts
     generate_load = load if starts_server else 0.0
+    per_generator = generate_load + work["response_tokens_to_generate"] / generators / rates.generate_tokens_per_s
+    rounds = math.ceil(generators / generators_at_once)
     train_gpus = config["train"]["gpus"] if config["device"] == "cuda" else 0
     serve = config["evaluate"]["serve_check"]
     fidelity = fidelity_jobs(config, checked, gpus)
@@ -331,10 +353,11 @@ def plan_stages(config: dict, target: TargetModel, num_layer_ids: int, work: dic
 
     stages = [
         stage("prompts", 1, 0, 0, existing_or(run_folder.stage_dir(run_dir, "prompts"), 0), measured("prompts")),
-        stage("generate", 1, 0 if config["generate"]["endpoint"] else gpus, int(starts_server),
+        stage("generate_server", generators, generate_gpus, generators * starts_server,
               existing_or(run_folder.stage_dir(run_dir, "generate"), rates.generated_bytes_per_token * tokens),
-              generate_load + work["response_tokens_to_generate"] / rates.generate_tokens_per_s,
-              load_seconds=generate_load, reuse=(work["answered_before"], work["to_ask"])),
+              rounds * per_generator, gpu_seconds=generators * generate_gpus * per_generator,
+              load_seconds=rounds * generate_load, reuse=(work["answered_before"], work["to_ask"])),
+        stage("generate", 1, 0, 0, 0, measured("generate")),
         stage("prepare", 1, 0, 0, existing_or(run_folder.stage_dir(run_dir, "prepare"), rates.prepared_bytes_per_token * tokens),
               tokens / rates.prepare_tokens_per_s),
         stage("vocab_map", 1, 0, 0, vocab_map_bytes(target.vocab_size, config["vocab"]["draft_vocab_size"]),
@@ -407,7 +430,7 @@ def plan_warnings(config: dict, work: dict, stages: list[Stage], peak: int, free
         if stage.model_loads and stage.seconds and stage.load_seconds > LOAD_SHARE_WARNING * stage.seconds:
             warnings.append(
                 f"{stage.name}: model loads take {fmt_duration(stage.load_seconds)} of its {fmt_duration(stage.seconds)}"
-                + (" (fewer extract.servers load fewer times)" if stage.name == "extract_server" and stage.jobs > 1 else "")
+                + (f" (fewer {SERVER_COUNTS[stage.name]} load fewer times)" if stage.name in SERVER_COUNTS and stage.jobs > 1 else "")
             )
     shards, servers = config["extract"]["shards"], config["extract"]["servers"]
     if shards > work["samples"]:
@@ -468,7 +491,7 @@ def render_markdown(plan: Plan) -> str:
         f"| **total** | {sum(s.jobs for s in plan.stages)} | | {sum(s.model_loads for s in plan.stages)} | "
         f"{fmt_bytes(plan.total_bytes)} | {fmt_duration(plan.total_seconds)} | {plan.total_gpu_hours:,.2f} | |",
         "",
-        "kept / computed: conversations answered by an earlier run / asked now (generate); samples whose "
+        "kept / computed: conversations answered by an earlier run / asked now (generate_server); samples whose "
         "hidden-state files are kept / extracted now (extract_server).",
         f"Disk: up to {fmt_bytes(plan.peak_bytes)} at the peak (training replaces its checkpoint), "
         f"{fmt_bytes(plan.free_bytes)} free ({plan.free_source}): "

@@ -48,9 +48,9 @@ def stage_work(stats: dict, runtimes: dict) -> dict[str, tuple[str, str]]:
     )
     return {
         "prompts": (f"{stats['prompts']['sampled']} conversations", rate(stats["prompts"]["sampled"], seconds("prompts"), "conversations")),
-        "generate": (
+        "generate_server": (
             f"{generated['samples']} samples, {generated['response_tokens']:,} response tokens",
-            f"{generated['response_tokens_per_second']:,.1f} tokens/s (server up)",
+            f"{generated['response_tokens_per_second']:,.1f} tokens/s per server (server up)",
         ),
         "prepare": (f"{prepared['kept']} samples, {prepared['tokens']:,} tokens", rate(prepared["tokens"], seconds("prepare"), "tokens")),
         "extract_server": (

@@ -32,15 +32,17 @@ class Stage:
     rule: str
     folders: tuple[str, ...]  # under results/<run>/
     host_memory_mb: int  # per job, from the demo's benchmarks (max RSS, rounded up)
-    per_server: bool = False  # one job per extraction server job: <rule>-<s>
+    per_server: bool = False  # one job per server (generate.servers, extract.servers): <rule>-<s>
 
-    def benchmark_names(self, servers: int) -> list[str]:
-        return [f"{self.rule}-{s}" for s in range(servers)] if self.per_server else [self.rule]
+    def benchmark_names(self, servers: dict[str, int]) -> list[str]:
+        """``servers``: the job count of each per-server stage, by rule."""
+        return [f"{self.rule}-{s}" for s in range(servers[self.rule])] if self.per_server else [self.rule]
 
 
 STAGES = (
     Stage("prompts", ("prompts",), 1000),
-    Stage("generate", ("synthetic",), 5000),
+    Stage("generate_server", ("synthetic",), 5000, per_server=True),
+    Stage("generate", ("synthetic",), 1000),
     Stage("prepare", ("prepared",), 2000),
     Stage("vocab_map", ("vocab",), 1000),
     Stage("extract_plan", (HIDDEN_STATES,), 1000),

@@ -17,7 +17,7 @@ from draftflow.job_placement import (
     server_gpus,
     snakemake_runs_locally,
 )
-from draftflow import run_folder
+from draftflow import answers, run_folder
 from draftflow.extract import layout
 from draftflow.layers import resolve_layer_ids
 from draftflow.plan import write_plan
@@ -189,6 +189,9 @@ def extract_servers():
 FIDELITY = fidelity_decision()
 FIDELITY_JOBS = fidelity_jobs(config, FIDELITY.check, gpus_per_server())
 EXTRACT_SERVERS, EXTRACT_SERVERS_REASON = extract_servers()
+GENERATE_SERVERS = config["generate"]["servers"]
+# the jobs of each per-server rule (run_folder.Stage.per_server)
+SERVER_JOBS = {"generate_server": GENERATE_SERVERS, "extract_server": EXTRACT_SERVERS}
 check_target_now()
 if workflow.is_main_process:  # once per run, also with -n; not again in each job
     print(f"fidelity: {FIDELITY.reason}", file=sys.stderr)

@@ -7,7 +7,7 @@ rule report:
         benchmarks=[
             benchmark_path(name)
             for stage in run_folder.stages_before_report(SERVE_CHECK)
-            for name in stage.benchmark_names(EXTRACT_SERVERS)
+            for name in stage.benchmark_names(SERVER_JOBS)
         ],
         prompts=rules.prompts.output.stats,
         generate=rules.generate.output.stats,

@@ -10,10 +10,12 @@ from pathlib import Path
 
 # Files that record when, where or in which order the work happened, not what it made.
 IN_COMPLETION_ORDER = ("hidden_states/shard-*/journal.jsonl",)
-# Stats fields that say how long this run worked, or how much of the answers it asked itself.
-TIMINGS = {"synthetic/stats.json": {"wall_seconds", "response_tokens_per_second", "conversations_asked", "response_tokens_generated"},
+# Stats fields that say how long this run worked, in how many jobs, or how much of the answers it asked itself.
+TIMINGS = {"synthetic/stats.json": {"server_seconds", "response_tokens_per_second", "conversations_asked", "response_tokens_generated",
+                                    "servers"},
            "train/stats.json": {"seconds_this_run", "supervised_tokens_per_second"}}  # fmt: skip
 NOT_COMPARED = {
+    "synthetic/servers/*": "each generation job's record of its share: what it asked, for how long",
     "synthetic/work/*": "the answer store: rows as asked (under content keys, naming the server's random port), "
     "also those of other configs of the folder (generated.jsonl, compared, is this config's, as asked)",
     "run_plan.md": "free space and the rates of earlier runs, at the start; the first run in a folder has none",

@@ -109,6 +109,7 @@ def workflow_copy(folder: Path) -> Path:
 DEMO_MODULES = {
     "test_data_stages", "test_extract_stage", "test_faults", "test_gates", "test_multi_turn", "test_plan",
     "test_rebuilds", "test_resume_reproducibility", "test_server_faults", "test_train_evaluate_report", "test_storage_fp8",
+    "test_slurm",
 }  # fmt: skip
 # Work that waits on the network, not on the cores: started in a process of its own as soon
 # as the collection holds the module that reads it, which runs last, so that the workers run
@@ -138,7 +139,6 @@ SCHEDULE = (
     "test_twin_workflows[kimi_k25]",  # 180
     "test_incremental_rebuilds",  # 980
     "test_twin_workflows[deepseek_v3]",  # 140
-    "test_slurm",  # 75
     "test_mla_rope",  # 40
     "test_families",  # 55
     "test_vllm_hidden_states_connector",  # 35

@@ -60,7 +60,7 @@ def test_generation_stats_record_reasoning_and_throughput(demo_run):
 
 def test_the_cpu_server_runs_its_model_in_the_engine_process(demo_run):
     """vllm.cpu_single_process (the default): an API server and an engine, no worker process."""
-    log = (demo_run.parents[1] / "logs/demo/generate.server.log").read_text()
+    log = (demo_run.parents[1] / "logs/demo/generate_server-0.server.log").read_text()
     assert "(EngineCore pid=" in log and "Worker pid=" not in log
 
 

@@ -17,7 +17,7 @@ import yaml
 from safetensors.torch import save_file
 
 from draftflow import dependencies, rebuild_table
-from draftflow.answers import answer_store, conversation_key
+from draftflow.answers import answer_store, conversation_key, server_of, share
 from draftflow.config import load_config
 from draftflow.answers import generation_key
 from draftflow.dependencies import NO_EFFECT, STAGES
@@ -79,7 +79,7 @@ def test_the_answer_store_key_follows_target_template_and_output_changing_flags_
     assert keyed_server_flags([*SERVER, "--chat-template", str(template)])[-1].startswith("--chat-template=sha256:")
     (target / "chat_template.jinja").write_text("{{ messages }}")
     assert generation_key(target, SERVER, 64, 0.0, 0) != key
-    assert answer_store(tmp_path, key).name == f"answers-{key}.jsonl"
+    assert answer_store(tmp_path, key, 0).name == f"answers-{key}.server-0.jsonl"
     question = {"id": "q1", "messages": [{"role": "user", "content": "hi"}]}
     assert conversation_key({**question, "id": "renamed"}) == conversation_key(question)
     assert conversation_key({**question, "messages": [{"role": "user", "content": "hi!"}]}) != conversation_key(question)
@@ -165,3 +165,19 @@ def test_the_readme_rebuild_table_is_the_one_the_owner_renders():
         assert f"def {name}(" in source, row.test
         assert not param or param.rstrip("]") in source, row.test
         assert (row.check == "dry run") == ("planned_" in source.split(f"def {name}(", 1)[1].split("\ndef ", 1)[0]), row.test
+
+
+def test_a_conversation_goes_to_one_generation_job_and_another_count_moves_only_what_it_must():
+    """Rendezvous hashing: from 2 jobs to 3, only the conversations the new job wins move
+    (about a third), each job's share is about even, and the order of the rows does not
+    count."""
+    conversations = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(3000)]
+    two, three = ({c["id"]: server_of(conversation_key(c), n) for c in conversations} for n in (2, 3))
+    moved = {c for c in two if two[c] != three[c]}
+    assert all(three[c] == 2 for c in moved) and 0.28 < len(moved) / len(conversations) < 0.39
+    for servers in (2, 3):
+        shares = [share(conversations, s, servers) for s in range(servers)]
+        assert sorted(c["id"] for part in shares for c in part) == sorted(two)  # each in exactly one share
+        assert all(abs(len(part) - len(conversations) / servers) < 0.06 * len(conversations) for part in shares)
+    assert share(conversations[::-1], 1, 2) == share(conversations, 1, 2)[::-1]
+    assert {server_of(conversation_key(c), 1) for c in conversations} == {0}

@@ -106,11 +106,11 @@ def test_generation_fails_above_the_error_budget_and_keeps_answers(tmp_path):
     key = {c["id"]: conversation_key(c) for c in asked}
     errors = write_rows(tmp_path / "e.jsonl", [{"id": key["a"], "metadata": {}}, {"id": key["b"], "metadata": {}},
                                                {"id": key["a"], "metadata": {"error": "last"}}])  # fmt: skip
-    unresolved = unresolved_errors(errors, asked, answered={"b"})
+    unresolved = unresolved_errors([errors, tmp_path / "no-errors-yet.jsonl"], asked, answered={"b"})
     assert unresolved == [{"id": "a", "metadata": {"error": "last", "idx": 0}}]
-    check_error_rate({"conversations": 99, "errors": 1}, 0.05, errors)
-    with pytest.raises(RuntimeError, match=r"10 of 100 conversations failed.*e\.jsonl.*rerun"):
-        check_error_rate({"conversations": 90, "errors": 10}, 0.05, errors)
+    check_error_rate(99, 1, 0.05, errors, "generation job 0 of 1")
+    with pytest.raises(RuntimeError, match=r"generation job 0 of 1: 10 of 100 conversations failed.*e\.jsonl.*rerun"):
+        check_error_rate(90, 10, 0.05, errors, "generation job 0 of 1")
 
 
 def test_corrupt_hidden_state_file_is_refused_by_name(tmp_path):
@@ -172,7 +172,7 @@ def test_external_endpoint_key_comes_from_the_environment_and_stays_out_of_logs(
         )
         missing = snakemake(workdir, config, "results/external/synthetic/stats.json", check=False)
         assert missing.returncode != 0
-        assert "DRAFTFLOW_TEST_KEY" in (workdir / "logs/external/generate.log").read_text()
+        assert "DRAFTFLOW_TEST_KEY" in (workdir / "logs/external/generate_server-0.log").read_text()
         monkeypatch.setenv("DRAFTFLOW_TEST_KEY", key)
         snakemake(workdir, config, "results/external/synthetic/stats.json")
     stats = json.loads((workdir / "results/external/synthetic/stats.json").read_text())

@@ -133,7 +133,7 @@ def test_a_target_served_wrong_fails_generation_on_its_first_answers(tmp_path, d
     config = demo_config(vllm={"port": free_port("127.0.0.1")})
     refused = snakemake(tmp_path, config, "results/demo/synthetic/stats.json", check=False)
     assert refused.returncode != 0
-    log = (tmp_path / "logs/demo/generate.log").read_text()
+    log = (tmp_path / "logs/demo/generate_server-0.log").read_text()
     assert f"of the first {EARLY_ANSWERS} conversations of this run failed" in log
     assert "empty assistant generation" in log and "weights without their output head" in log
     (errors,) = (tmp_path / "results/demo/synthetic/work").glob("answers-*.errors.jsonl")

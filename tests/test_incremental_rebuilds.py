@@ -288,7 +288,7 @@ def test_generation_asked_and_extraction_computed_exactly_what_the_edit_made_new
     answered_before = [] if edit in NEW_ANSWER_STORE else list(before.values())
     new_conversations = [c for c, messages in now.items() if messages not in answered_before]
     assert any_edit["requests"] == len(new_conversations)  # the server's count: one request per single-turn question
-    generate_log = run / f"logs/{RUN}/generate.log"
+    generate_log = run / f"logs/{RUN}/generate_server-0.log"
     if edit == "max_seq_length_lowered":  # nothing generation reads changed: Snakemake leaves it be
         assert not generate_log.exists()
     else:
@@ -324,11 +324,11 @@ def test_generation_asked_and_extraction_computed_exactly_what_the_edit_made_new
     # python -m draftflow.plan before the rerun, and the plan the rerun wrote as it started
     for plan in (any_edit["plan"], json.loads((results(run) / "run_plan.json").read_text())):
         stages = {s["name"]: s for s in plan["stages"]}
-        assert (stages["generate"]["reused"], stages["generate"]["computed"]) == (len(now) - len(new_conversations), len(new_conversations))
+        assert (stages["generate_server"]["reused"], stages["generate_server"]["computed"]) == (len(now) - len(new_conversations), len(new_conversations))
         assert (stages["extract_server"]["reused"], stages["extract_server"]["computed"]) == (len(new_rows) - len(changed), len(changed))
         assert plan["tokens"]["samples"] == len(new_rows)
-        assert stages["generate"]["model_loads"] == 0  # generate.endpoint: the module's server
-        assert (stages["generate"]["seconds"] == 0) == (not new_conversations)
+        assert stages["generate_server"]["model_loads"] == 0  # generate.endpoint: the module's server
+        assert (stages["generate_server"]["seconds"] == 0) == (not new_conversations)
         assert (stages["extract_server"]["model_loads"] == 0) == (not changed)
         assert (stages["extract_server"]["seconds"] > 0) == bool(changed)  # the hours it costs
 
@@ -400,7 +400,7 @@ def test_training_and_evaluation_refuse_a_file_whose_token_ids_are_not_its_rows(
 # it out of (conftest.SCHEDULE).
 PLAN_BYTES_WITHIN = (0.7, 1.05)
 PLAN_SECONDS_WITHIN = (0.25, 2.5)
-SCALED_STAGES = ("generate", "prepare", "extract_server", "train")
+SCALED_STAGES = ("generate_server", "prepare", "extract_server", "train")
 
 
 def test_the_plan_from_another_runs_rates_foretells_a_larger_clean_run(lab, edit_runs, tmp_path):
@@ -417,7 +417,7 @@ def test_the_plan_from_another_runs_rates_foretells_a_larger_clean_run(lab, edit
     written = sum(path.stat().st_size for path in layout.hidden_state_files(results(clean) / "hidden_states"))
     low, high = PLAN_BYTES_WITHIN
     assert low <= stages["extract_server"].bytes_written / written <= high, (stages["extract_server"].bytes_written, written)
-    measured = {name: read_benchmark(clean / run_folder.benchmark_path(RUN, STAGE[name].benchmark_names(1)[0]))["seconds"]
+    measured = {name: read_benchmark(clean / run_folder.benchmark_path(RUN, STAGE[name].benchmark_names({"generate_server": 1, "extract_server": 1})[0]))["seconds"]
                 for name in SCALED_STAGES}  # fmt: skip
     low, high = PLAN_SECONDS_WITHIN
     ratios = {name: stages[name].seconds / seconds for name, seconds in measured.items()}

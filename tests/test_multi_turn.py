@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
-from draftflow.answers import conversation_key
+from draftflow.answers import answer_store, conversation_key
 from draftflow.generate import (
     GenerationSettings,
     finish,
@@ -80,22 +80,28 @@ def stored(row: dict) -> dict:
 
 
 def test_stats_log_and_report_carry_the_lost_turns(tmp_path, tokenizer_dir, capsys):
-    conversations, store = tmp_path / "conversations.jsonl", tmp_path / "work/answers.jsonl"
+    """The gather reads every file of the store (two jobs' and an earlier draftflow's
+    one file) and sums what the jobs asked."""
+    conversations, work, key = tmp_path / "conversations.jsonl", tmp_path / "work", "0123456789abcdef"
     write_jsonl(conversations, CONVERSATIONS)
-    write_jsonl(store, [stored(row) for row in ROWS])
+    by_file = {answer_store(work, key, 0): ROWS[:1], answer_store(work, key, 1): ROWS[1:4], work / f"answers-{key}.jsonl": ROWS[4:]}
+    for path, rows in by_file.items():
+        write_jsonl(path, [stored(row) for row in rows])
     failed = conversation_key(CONVERSATIONS[-1])
-    write_jsonl(tmp_path / "work/answers.errors.jsonl", [{"id": failed, "metadata": {"generations_completed": 1}}])
+    write_jsonl(work / f"answers-{key}.server-1.errors.jsonl", [{"id": failed, "metadata": {"generations_completed": 1}}])
     settings = GenerationSettings(
         max_tokens=64, temperature=0.0, concurrency=1, max_retries=0, seed=0,
         reasoning_end_marker="b", max_error_fraction=0.5, max_degenerate_fraction=0.25,
     )  # fmt: skip
     stats_path = tmp_path / "stats.json"
-    asked_now = {"single", "complete"}  # "truncated" was answered by an earlier run
-    finish(store, conversations, str(tokenizer_dir), settings, 1.0, asked_now, "test", None, tmp_path / "out.jsonl", tmp_path / "errors.jsonl", stats_path)
+    # "single" and "complete" asked now, by one job each; "truncated" answered by an earlier run
+    jobs = [{"conversations_asked": 1, "response_tokens_generated": 1, "seconds": 0.5},
+            {"conversations_asked": 1, "response_tokens_generated": 3, "seconds": 0.5}]  # fmt: skip
+    finish(work, key, conversations, jobs, str(tokenizer_dir), settings, "test", None, tmp_path / "out.jsonl", tmp_path / "errors.jsonl", stats_path)
     stats = json.loads(stats_path.read_text())
     assert [row["id"] for row in iter_jsonl(tmp_path / "out.jsonl")] == sorted(row["id"] for row in ROWS)
     assert [row["id"] for row in iter_jsonl(tmp_path / "errors.jsonl")] == ["failed"]
-    assert (stats["conversations_asked"], stats["response_tokens_generated"], stats["response_tokens_per_second"]) == (2, 4, 4.0)
+    assert (stats["servers"], stats["conversations_asked"], stats["response_tokens_generated"], stats["response_tokens_per_second"]) == (2, 2, 4, 4.0)
     assert (stats["conversations"], stats["errors"], stats["conversations_with_lost_turns"], stats["user_turns_lost"]) == (3, 1, 1, 2)
     assert len(stats["warnings"]) == 1 and "1 of 3 conversations" in stats["warnings"][0]
     assert f"WARNING: {stats['warnings'][0]}" in capsys.readouterr().out

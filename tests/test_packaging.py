@@ -146,7 +146,7 @@ def test_the_installed_plan_validates_a_config_and_plans_its_run(installed):
     )
     plan = run([venv / "bin" / "draftflow", "plan", "--configfile", "config.yaml", "--free-bytes", "1TB", "--json"], folder)
     stages = [stage["name"] for stage in json.loads(plan.stdout)["stages"]]
-    assert stages[:2] == ["prompts", "generate"] and "extract_server" in stages
+    assert stages[:3] == ["prompts", "generate_server", "generate"] and "extract_server" in stages
     (folder / "config.yaml").write_text("run: packaged\ndevice: tpu\n")
     refused = run([venv / "bin" / "draftflow", "plan", "--configfile", "config.yaml"], folder, check=False)
     assert refused.returncode == 1 and "config_schema.yaml" in refused.stderr, refused.stderr

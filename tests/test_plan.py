@@ -76,6 +76,30 @@ def test_sixty_four_servers_would_spend_the_stage_loading(reference_run):
     assert any(w.startswith("extract_server: model loads take") and "fewer extract.servers" in w for w in plan.warnings)
 
 
+# The source run of issue 45 generated its 10,000 answers (1,000 response tokens each) in
+# 5.3 hours on the same node.
+REFERENCE_GENERATION = {"generate_tokens_per_s": 10_000 * 1000 / (5.3 * 3600)}
+
+
+def test_four_generation_jobs_on_a_cluster_cut_generations_wall_time_and_add_only_their_loads(reference_run):
+    """Each job asks a quarter and loads the model once: the wall time falls by 4x but for
+    the load, and the GPU-hours are one job's plus three more loads."""
+    (reference_run / "rates.yaml").write_text(yaml.safe_dump(REFERENCE_RATES | REFERENCE_GENERATION))
+    rates = load_rates(reference_run / "rates.yaml", "cuda")
+    config = load_config(reference_run / "config.yaml")
+    plans = {}
+    for servers in (1, 4):
+        config["generate"]["servers"] = servers
+        plan = build_plan(config, reference_run / "results/moe-1t", rates, free_bytes=2_800_000_000_000, local_gpus=None)
+        plans[servers] = next(s for s in plan.stages if s.name == "generate_server")
+    one, four = plans[1], plans[4]
+    load = REFERENCE_RATES["model_load_s"]
+    assert (one.jobs, one.model_loads, four.jobs, four.model_loads, four.gpus_per_job) == (1, 1, 4, 4, 8)
+    assert one.seconds == pytest.approx(load + 5.3 * 3600) and four.seconds == pytest.approx(load + 5.3 * 3600 / 4)
+    assert 3.2 < one.seconds / four.seconds < 4  # 5 h 43 min -> 1 h 44 min
+    assert four.gpu_hours == pytest.approx(one.gpu_hours + 3 * 8 * load / 3600)
+
+
 @pytest.mark.slow
 def test_the_demo_plan_after_prepare_holds_the_bytes_the_demo_wrote(workdir, demo_run, tmp_path):
     """Token counts exact, the stages from extraction on estimated: within 1% of the bytes the
@@ -86,7 +110,7 @@ def test_the_demo_plan_after_prepare_holds_the_bytes_the_demo_wrote(workdir, dem
     config = load_config(config_file)
     plan = build_plan(config, demo_run, rates_from_run(demo_run), free_bytes=10**12, local_gpus=0)
     assert plan.tokens["source"].startswith("exact")
-    measured = {"prompts": "prompts", "generate": "synthetic", "prepare": "prepared"}  # stage -> folder it read
+    measured = {"prompts": "prompts", "generate_server": "synthetic", "prepare": "prepared"}  # stage -> folder it read
     estimated = sum(s.bytes_written for s in plan.stages if s.name not in measured)
     written = tree_bytes(demo_run) - sum(tree_bytes(demo_run / folder) for folder in measured.values())
     written -= sum(p.stat().st_size for p in demo_run.glob("plan.*"))  # the plan's own files
@@ -94,7 +118,7 @@ def test_the_demo_plan_after_prepare_holds_the_bytes_the_demo_wrote(workdir, dem
     extract = next(s for s in plan.stages if s.name == "extract_server")
     assert demo_config()["extract"]["shards"] == 2 and extract.jobs == 1
     # the demo's own config again: every answer and every hidden-state file is kept, nothing loads a model
-    generate = next(s for s in plan.stages if s.name == "generate")
+    generate = next(s for s in plan.stages if s.name == "generate_server")
     conversations, samples = plan.tokens["conversations"], plan.tokens["samples"]  # a sample per answered turn
     assert conversations == 240 + 80 and samples > conversations  # MT-Bench's questions have two turns
     assert (generate.reused, generate.computed, generate.model_loads) == (conversations, 0, 0)

@@ -19,7 +19,7 @@ from tests.conftest import REPO, copy_demo_run, demo_config, plan_before_running
 pytestmark = pytest.mark.slow
 
 FROM_GENERATE = {
-    "generate", "prepare", "vocab_map", "extract_plan", "fidelity_reference", "extract_server", "extract",
+    "generate_server", "generate", "prepare", "vocab_map", "extract_plan", "fidelity_reference", "extract_server", "extract",
     "fidelity", "drafter_init", "train_views", "train", "evaluate", "serve_check", "report", "provenance", "model_card",
 }  # fmt: skip
 
@@ -93,7 +93,7 @@ def test_editing_a_module_the_extraction_jobs_run_reruns_them_and_one_no_rule_ru
         unedited = path.read_bytes()
         path.write_bytes(unedited + b"\n# an edit\n")
         planned = planned_rules(settled, demo_config(), workflow)
-        assert {"extract_server", "fidelity"} <= planned and "generate" not in planned, module
+        assert {"extract_server", "fidelity"} <= planned and not {"generate_server", "generate"} & planned, module
         path.write_bytes(unedited)
     with (workflow / "draftflow/locks.py").open("a") as module:  # the lock files' generator: no job runs it
         module.write("\n# an edit\n")
@@ -119,7 +119,7 @@ def test_the_config_keys_in_another_order_rerun_nothing(settled):
 
 def test_changing_shard_count_reruns_the_extraction_jobs_not_generation(settled):
     jobs = planned_jobs(settled, demo_config(extract={"shards": 3}))
-    assert {"extract_plan": 1, "extract_server": 1, "extract": 1}.items() <= jobs.items() and "generate" not in jobs
+    assert {"extract_plan": 1, "extract_server": 1, "extract": 1}.items() <= jobs.items() and not {"generate_server", "generate"} & set(jobs)
 
 
 def test_extract_plan_removes_the_shards_beyond_a_lower_count_and_names_them(tmp_path, demo_run):
@@ -196,13 +196,13 @@ def test_editing_the_connector_extracts_every_sample_again_and_asks_nothing(tmp_
     snakemake(run, demo_config(), "results/demo/hidden_states/manifest.json", workflow=workflow)
     for plan in (before_running, json.loads((results / "run_plan.json").read_text())):
         stages = {stage["name"]: stage for stage in plan["stages"]}
-        assert stages["generate"]["computed"] == 0 and stages["generate"]["model_loads"] == 0
+        assert stages["generate_server"]["computed"] == 0 and stages["generate_server"]["model_loads"] == 0
         assert (stages["extract_server"]["reused"], stages["extract_server"]["computed"]) == (0, len(files))
         assert stages["extract_server"]["seconds"] > 0  # the hours it costs
     now = {path: path.stat().st_mtime_ns for path in layout.hidden_state_files(results / "hidden_states")}
     assert set(now) == set(files) and all(now[path] != mtime for path, mtime in files.items())
     assert {path: path.stat().st_mtime_ns for path in kept} == before
-    assert not (run / "logs/demo/generate.log").exists() and not (run / "logs/demo/prepare.log").exists()
+    assert not (run / "logs/demo/generate_server-0.log").exists() and not (run / "logs/demo/prepare.log").exists()
     rows = load_from_disk(str(results / "prepared/dataset")).with_format(None)
     for sample_id, token_ids in zip(rows["sample_id"], rows["input_ids"], strict=True):
         shard = layout.shard_of(sample_id, demo_config()["extract"]["shards"])

@@ -1,61 +1,107 @@
 """A run killed during generation and during training resumes to exactly the files of
-an uninterrupted run of the same config: the demo's."""
+an uninterrupted run of the same config: the demo's, though this run generates with
+two jobs (``generate.servers: 2``) and the demo with one."""
 
 import json
+import re
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from draftflow import run_folder
+from draftflow.answers import job_record
 from draftflow.io import iter_jsonl
+from draftflow.vllm_server import START_MARKER
 from tests.compare import assert_same_files
 from tests.conftest import REPO, complete_lines, copy_demo_run, demo_config, snakemake, start_snakemake, stop_group, wait_until
 
 pytestmark = pytest.mark.slow
 
 
-def kill_when(workdir: Path, config: dict, ready, moment: str) -> None:
+def kill_when(workdir: Path, config: dict, ready, moment: str, *args: str) -> None:
     """Run the workflow and SIGKILL its process group as soon as ``ready()`` holds, then
     unlock its folder (no other run lives there)."""
-    process = start_snakemake(workdir, config, "--rerun-incomplete")
+    process = start_snakemake(workdir, config, "--rerun-incomplete", *args)
     wait_until(ready, process, moment)
     stop_group(process)
     snakemake(workdir, config, "--unlock")  # a killed Snakemake leaves its lock
 
 
-def answers(store_pattern: Path) -> int:
-    """Answers the store holds: its complete lines."""
-    return sum(complete_lines(store) for store in store_pattern.parent.glob(store_pattern.name))
+@dataclass
+class Killed:
+    """The generation job that finished before the kill, the one killed, and the answers
+    the killed one's file held then."""
+
+    finished: int
+    killed: int
+    answers_at_kill: int
+
+
+def answer_file(results: Path, server: int) -> Path:
+    return next((results / "synthetic/work").glob(f"answers-*.server-{server}.jsonl"), results / "not-yet.jsonl")
+
+
+def one_job_done_and_the_other_answering(results: Path) -> Killed | None:
+    for finished, killed in ((0, 1), (1, 0)):
+        if Path(job_record(results / "synthetic", finished)).exists() and complete_lines(answer_file(results, killed)) >= 20:
+            return Killed(finished, killed, complete_lines(answer_file(results, killed)))
+    return None
 
 
 @pytest.fixture(scope="module")
 def repeat_run(demo_run, tmp_path_factory):
-    """The demo config in a folder of its own (the demo's target copied), killed once
-    during generation and once during training, then run to the end."""
+    """The demo config with two generation jobs, in a folder of its own (the demo's target
+    copied): killed once while the second generation job answers (host memory for one
+    job at a time), once during training, then run to the end."""
     workdir = tmp_path_factory.mktemp("repeat")
     copy_demo_run(demo_run, workdir)
-    config = demo_config()  # the demo's, MT-Bench included: its files are compared with the demo's
+    config = demo_config(generate={"servers": 2})  # MT-Bench included: its files are compared with the demo's
     results = workdir / "results/demo"
-    store = results / "synthetic/work/answers-????????????????.jsonl"  # not .errors.jsonl
-    kill_when(workdir, config, lambda: answers(store) >= 40, "40 answers")
-    answered_before_kill = answers(store)
+    one_at_a_time = str(run_folder.STAGE["generate_server"].host_memory_mb + 1000)
+    ready = lambda: one_job_done_and_the_other_answering(results) is not None  # noqa: E731
+    kill_when(workdir, config, ready, "the second generation job's 20th answer", "--resources", f"mem_mb={one_at_a_time}")
+    killed = one_job_done_and_the_other_answering(results)
     checkpoint = results / "train/work/checkpoint.pt"
     kill_when(workdir, config, checkpoint.exists, "the first training checkpoint")
     snakemake(workdir, config, "--rerun-incomplete")
-    return results, answered_before_kill
+    return results, killed
+
+
+def server_requests_since_its_last_start(server_log: Path) -> int:
+    """The chat requests vLLM's access log shows since the last server start in the log."""
+    since = server_log.read_text().rsplit(START_MARKER, 1)[1]
+    return len(re.findall(r'"POST /v1/chat/completions HTTP/1.1" 200', since))
 
 
 def test_generation_resumed_without_losing_or_duplicating_samples(repeat_run):
-    results, answered_before_kill = repeat_run
+    results, _ = repeat_run
     rows = list(iter_jsonl(results / "synthetic/generated.jsonl"))
     conversations = [row["id"] for row in iter_jsonl(results / "prompts/conversations.jsonl")]
     ids = [row["id"] for row in rows]  # a row per answered turn (MT-Bench's questions have two)
     assert len(ids) == len(set(ids)) and {row["primary_id"] for row in rows} == set(conversations)
     assert len(conversations) == demo_config()["data"]["num_samples"] + 80
-    log = (results.parents[1] / "logs/demo/generate.log").read_text()
-    regenerated = int(log.rsplit("Pipeline complete in", 1)[1].split(": ", 1)[1].split(" conversations")[0])
-    assert regenerated <= len(conversations) - answered_before_kill
+    stats = json.loads((results / "synthetic/stats.json").read_text())
+    assert stats["servers"] == 2 and 0 < stats["conversations_asked"] < len(conversations)  # not those stored before the kill
+
+
+def test_the_killed_generation_job_asked_only_its_missing_conversations_again(repeat_run):
+    """The job that finished before the kill ran once; the killed one's server, started
+    again, answered exactly the requests its answer file lacked (vLLM's access log)."""
+    results, killed = repeat_run
+    logs = results.parents[1] / "logs/demo"
+    finished_log = (logs / f"generate_server-{killed.finished}.server.log").read_text()
+    assert finished_log.count(START_MARKER) == 1
+    records = [json.loads(Path(job_record(results / "synthetic", s)).read_text()) for s in (0, 1)]
+    assert sum(r["conversations"] for r in records) == len(list(iter_jsonl(results / "prompts/conversations.jsonl")))
+    resumed = server_requests_since_its_last_start(logs / f"generate_server-{killed.killed}.server.log")
+    answered_after_kill = complete_lines(answer_file(results, killed.killed)) - killed.answers_at_kill
+    assert resumed == answered_after_kill > 0
+    finished, resumed_job = records[killed.finished], records[killed.killed]
+    assert finished["conversations_asked"] == finished["conversations"] > 0
+    assert 0 < resumed_job["conversations_asked"] < resumed_job["conversations"]
 
 
 def test_training_resumed_from_its_last_checkpoint(repeat_run):

@@ -38,7 +38,7 @@ def kill_server_during(workdir: Path, config: dict, target: str, ready, moment: 
 
 def partial_generation(results: Path) -> Path:
     work = results / "synthetic/work"
-    return next(work.glob("answers-????????????????.jsonl"), work / "not-yet.jsonl")  # not .errors.jsonl
+    return next(work.glob("answers-*.server-0.jsonl"), work / "not-yet.jsonl")  # not .errors.jsonl
 
 
 def group_gone_within(pgid: int, seconds: float) -> bool:
@@ -60,7 +60,7 @@ def test_server_killed_mid_generation_fails_clearly_and_a_rerun_resumes(tmp_path
 
     partial = partial_generation(results)
     answered = {row["primary_id"] for row in iter_jsonl(partial)}  # conversation keys, as the store files them
-    log = (tmp_path / "logs/demo/generate.log").read_text()
+    log = (tmp_path / "logs/demo/generate_server-0.log").read_text()
     assert code != 0
     assert "Retrying in" in log
     assert "died during generation: it stayed down past the client's retries with backoff (generate.max_retries=1)" in log
@@ -74,7 +74,7 @@ def test_server_killed_mid_generation_fails_clearly_and_a_rerun_resumes(tmp_path
     assert sorted(generated) == sorted(asked) and len(asked) == 60
     keys = {row["id"]: conversation_key(row) for row in iter_jsonl(results / "prompts/conversations.jsonl")}
     assert answered <= {keys[conversation] for conversation in generated} and complete_lines(results / "synthetic/errors.jsonl") == 0
-    log = (tmp_path / "logs/demo/generate.log").read_text()
+    log = (tmp_path / "logs/demo/generate_server-0.log").read_text()
     asked_again = re.findall(r"Pipeline complete in [\d.]+s: (\d+) conversations", log)
     assert asked_again == [str(60 - len(answered))]
 
@@ -120,8 +120,8 @@ def test_a_server_that_never_serves_fails_the_generate_rule_and_leaves_no_proces
     config = demo_config(vllm={"port": port, **vllm})
     process = snakemake(tmp_path, config, "results/demo/synthetic/stats.json", check=False)
     assert process.returncode != 0
-    log = (tmp_path / "logs/demo/generate.log").read_text()
-    assert message in log and "logs/demo/generate.server.log" in log
+    log = (tmp_path / "logs/demo/generate_server-0.log").read_text()
+    assert message in log and "logs/demo/generate_server-0.server.log" in log
     assert not (results / "synthetic/stats.json").exists()
     assert subprocess.run(["pgrep", "-f", "--", f"--port {port}( |$)"], capture_output=True).returncode == 1
 
@@ -146,7 +146,7 @@ def test_errors_from_a_live_server_count_against_the_budget_and_a_rerun_asks_onl
         return snakemake(tmp_path, config, target, check=False)
 
     assert generate(0.05).returncode != 0
-    log = (tmp_path / "logs/demo/generate.log").read_text()
+    log = (tmp_path / "logs/demo/generate_server-0.log").read_text()
     partial = partial_generation(results)
     assert "2 of 20 conversations failed (more than generate.max_error_fraction=0.05)" in log
     assert f"their errors are in {partial.with_name(partial.stem + '.errors.jsonl').relative_to(tmp_path)}" in log
@@ -154,7 +154,7 @@ def test_errors_from_a_live_server_count_against_the_budget_and_a_rerun_asks_onl
     assert not (results / "synthetic/generated.jsonl").exists()
 
     assert generate(0.1).returncode == 0
-    log = (tmp_path / "logs/demo/generate.log").read_text()
+    log = (tmp_path / "logs/demo/generate_server-0.log").read_text()
     assert re.findall(r"Pipeline complete in [\d.]+s: (\d+) conversations \((\d+) ok", log) == [("2", "0")]
     assert {row["id"] for row in iter_jsonl(results / "synthetic/errors.jsonl")} == too_long
     assert all("maximum context length" in row["metadata"]["error"] for row in iter_jsonl(results / "synthetic/errors.jsonl"))

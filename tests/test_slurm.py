@@ -25,12 +25,14 @@ import pytest
 import yaml
 
 from draftflow import run_folder
-from tests.conftest import REPO, SNAKEMAKE, demo_config, snakemake
+from draftflow.answers import job_record
+from draftflow.io import iter_jsonl
+from tests.conftest import REPO, SNAKEMAKE, copy_demo_run, demo_config, snakemake
 
 SLURM_SH = REPO / ".ci/slurm.sh"
 PROFILE = REPO / "profiles/slurm"
 FILL_INS = ("FILL_IN_PARTITION", "FILL_IN_ACCOUNT", "FILL_IN_GPU_MODEL")
-GPU_RULES = {"generate", "extract_server", "fidelity_reference", "fidelity", "serve_check", "train"}
+GPU_RULES = {"generate_server", "extract_server", "fidelity_reference", "fidelity", "serve_check", "train"}
 TIMINGS: dict[str, float] = {}
 
 pytestmark = pytest.mark.slow
@@ -108,7 +110,10 @@ def submitted_jobs(log: str) -> tuple[str, list[str]]:
     return run_id.group(1), re.findall(r"submitted with SLURM jobid (\d+)", log)
 
 
-def accounting(job_ids: list[str], fields="JobID,JobName,State,ExitCode,Account,Partition,AllocTRES") -> list[dict]:
+ACCOUNTING = "JobID,JobName,State,ExitCode,Account,Partition,AllocTRES"
+
+
+def accounting(job_ids: list[str], fields=ACCOUNTING) -> list[dict]:
     """sacct's records of the jobs, once slurmdbd has them all as finished."""
     names = fields.split(",")
     deadline = time.monotonic() + 60
@@ -136,34 +141,53 @@ def write_prompts(path: Path) -> None:
 
 
 PROMPT_OUTPUTS = ("results/slurm/prompts/conversations.jsonl", "results/slurm/prompts/stats.json")
+GENERATED = "results/slurm/synthetic/generated.jsonl"
 
 
-def test_workflow_runs_through_slurm_and_matches_a_local_run(slurm_cluster, tmp_path):
+def test_workflow_runs_through_slurm_and_matches_a_local_run(slurm_cluster, tmp_path, demo_run):
+    """The prompts job, then generation in two jobs (generate.servers: 2), each with its
+    own vLLM server, and the gather after both: each a SLURM job with the profile's
+    resources. The prompts match a local run's; the answers are each conversation's."""
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts)
-    config = demo_config(False, run="slurm", data={"prompt_files": [str(prompts)], "num_samples": 20})
+    config = demo_config(False, run="slurm", data={"prompt_files": [str(prompts)], "num_samples": 20}, generate={"servers": 2})
     config_path = tmp_path / "config-slurm.yaml"
     config_path.write_text(yaml.safe_dump(config))
     common = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--configfile", str(config_path)]
 
     on_slurm = tmp_path / "slurm"
+    copy_demo_run(demo_run, on_slurm)  # the demo's target, built once for the session
     started = time.monotonic()
     process = run(
         [*common, "--directory", str(on_slurm), "--profile", str(filled_profile(tmp_path, slurm_cluster)),
-         "--slurm-init-seconds-before-status-checks", "1", *PROMPT_OUTPUTS],
+         "--slurm-init-seconds-before-status-checks", "1", *PROMPT_OUTPUTS, GENERATED],
         cwd=REPO,
     )  # fmt: skip
     TIMINGS["slurm_run_s"] = time.monotonic() - started
     assert process.returncode == 0, process.stderr[-6000:]
     run_id, job_ids = submitted_jobs(process.stderr)
-    assert len(job_ids) == 1  # the prompts job; nothing ran on the submit host
+    assert len(job_ids) == 4  # prompts, two generation jobs, the gather; nothing ran on the submit host
 
-    # the scheduler's own records: the job ran under SLURM, charged to the profile's account
-    for row in accounting(job_ids):
+    # the scheduler's own records: each job ran under SLURM, charged to the profile's account
+    jobs = {row["Comment"]: row for row in accounting(job_ids, f"{ACCOUNTING},Comment,Start,End")}
+    assert set(jobs) == {"rule_prompts", "rule_generate", *(f"rule_generate_server_wildcards_{s}" for s in (0, 1))}
+    for row in jobs.values():
         assert row["JobName"] == run_id
         assert (row["State"], row["ExitCode"]) == ("COMPLETED", "0:0"), row
         assert (row["Account"], row["Partition"]) == (slurm_cluster["account"], slurm_cluster["partition"])
-        assert "mem=4000M" in row["AllocTRES"]  # the profile's set-resources for prompts
+    profile = yaml.safe_load((PROFILE / "config.yaml").read_text())["set-resources"]
+    assert f"mem={profile['prompts']['mem_mb']}M" in jobs["rule_prompts"]["AllocTRES"]
+    assert f"mem={profile['generate']['mem_mb']}M" in jobs["rule_generate"]["AllocTRES"]
+    servers = [jobs[f"rule_generate_server_wildcards_{s}"] for s in (0, 1)]
+    for row in servers:  # device: cpu, so no GPU: one task's CPU and its memory per CPU
+        assert f"mem={profile['generate_server']['mem_mb_per_cpu']}M" in row["AllocTRES"] and "gpu" not in row["AllocTRES"]
+    assert jobs["rule_generate"]["Start"] >= max(row["End"] for row in servers)  # ISO times: the gather after both
+    results = on_slurm / "results/slurm"
+    asked = [row["id"] for row in iter_jsonl(results / "prompts/conversations.jsonl")]
+    answered = [row["primary_id"] for row in iter_jsonl(results / "synthetic/generated.jsonl")]
+    records = [json.loads(Path(job_record(results / "synthetic", s)).read_text()) for s in (0, 1)]
+    assert sorted(answered) == sorted(asked) and all(record["conversations_asked"] > 0 for record in records)
+    assert sum(record["conversations"] for record in records) == len(asked) == 20
 
     local = tmp_path / "local"
     started = time.monotonic()
@@ -321,7 +345,7 @@ def test_dry_run_with_the_slurm_profile_shows_gpu_counts_per_rule(tmp_path):
     jobs = dry_run_resources(output)
     settings = yaml.safe_load(config.read_text())
     server_gpus = settings["vllm"]["tensor_parallel_size"] * settings["vllm"].get("data_parallel_size", 1)
-    expected = {"generate": server_gpus, "extract_server": server_gpus, "train": settings["train"]["gpus"]}
+    expected = {"generate_server": server_gpus, "extract_server": server_gpus, "train": settings["train"]["gpus"]}
     if "serve_check" in jobs:
         expected["serve_check"] = server_gpus
     # a cluster's GPU count is unknown to the workflow: one server job per shard unless extract.servers says

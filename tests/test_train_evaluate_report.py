@@ -97,7 +97,7 @@ def test_heldout_samples_never_reach_training(tmp_path, demo_run):
 def test_report_covers_every_stage(demo_run):
     with (demo_run / "report/stage_runtimes.tsv").open() as stream:
         stages = {row["stage"]: row for row in csv.DictReader(stream, delimiter="\t")}
-    expected = {"prompts", "generate", "prepare", "vocab_map", "extract_plan", "fidelity_reference", "extract_server",
+    expected = {"prompts", "generate_server", "generate", "prepare", "vocab_map", "extract_plan", "fidelity_reference", "extract_server",
                 "extract", "fidelity", "drafter_init", "train_views", "train", "evaluate", "serve_check"}  # fmt: skip
     assert set(stages) == expected
     assert all(float(row["seconds"]) > 0 for row in stages.values())
