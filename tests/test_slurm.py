@@ -169,19 +169,21 @@ def test_workflow_runs_through_slurm_and_matches_a_local_run(slurm_cluster, tmp_
     assert len(job_ids) == 4  # prompts, two generation jobs, the gather; nothing ran on the submit host
 
     # the scheduler's own records: each job ran under SLURM, charged to the profile's account
-    jobs = {row["Comment"]: row for row in accounting(job_ids, f"{ACCOUNTING},Comment,Start,End")}
-    assert set(jobs) == {"rule_prompts", "rule_generate", *(f"rule_generate_server_wildcards_{s}" for s in (0, 1))}
-    for row in jobs.values():
+    rules = dict(re.findall(r"submitted with SLURM jobid (\d+) \(log: \S*?/rule_(\w+)/", process.stderr))
+    jobs: dict[str, list[dict]] = {}
+    for row in accounting(job_ids, f"{ACCOUNTING},Start,End"):
+        jobs.setdefault(rules[row["JobID"]], []).append(row)
         assert row["JobName"] == run_id
         assert (row["State"], row["ExitCode"]) == ("COMPLETED", "0:0"), row
         assert (row["Account"], row["Partition"]) == (slurm_cluster["account"], slurm_cluster["partition"])
+    assert {rule: len(rows) for rule, rows in jobs.items()} == {"prompts": 1, "generate_server": 2, "generate": 1}
     profile = yaml.safe_load((PROFILE / "config.yaml").read_text())["set-resources"]
-    assert f"mem={profile['prompts']['mem_mb']}M" in jobs["rule_prompts"]["AllocTRES"]
-    assert f"mem={profile['generate']['mem_mb']}M" in jobs["rule_generate"]["AllocTRES"]
-    servers = [jobs[f"rule_generate_server_wildcards_{s}"] for s in (0, 1)]
+    (prompts_job,), (gather,), servers = jobs["prompts"], jobs["generate"], jobs["generate_server"]
+    assert f"mem={profile['prompts']['mem_mb']}M" in prompts_job["AllocTRES"]
+    assert f"mem={profile['generate']['mem_mb']}M" in gather["AllocTRES"]
     for row in servers:  # device: cpu, so no GPU: one task's CPU and its memory per CPU
         assert f"mem={profile['generate_server']['mem_mb_per_cpu']}M" in row["AllocTRES"] and "gpu" not in row["AllocTRES"]
-    assert jobs["rule_generate"]["Start"] >= max(row["End"] for row in servers)  # ISO times: the gather after both
+    assert gather["Start"] >= max(row["End"] for row in servers)  # ISO times: the gather after both
     results = on_slurm / "results/slurm"
     asked = [row["id"] for row in iter_jsonl(results / "prompts/conversations.jsonl")]
     answered = [row["primary_id"] for row in iter_jsonl(results / "synthetic/generated.jsonl")]
