@@ -1,9 +1,9 @@
 """The answer store: every answer generation got, found by what was asked.
 
-``results/<run>/synthetic/work/answers-<key>.server-<s>.jsonl`` holds speculators'
+``results/<run>/synthetic/work/answers-<key>.job-<s>.jsonl`` holds speculators'
 client rows that generation job ``s`` got for one target and one set of generation
 settings (``<key>``), each asked under its conversation's content key
-(``conversation_key``) instead of its id; ``answers-<key>.server-<s>.errors.jsonl``
+(``conversation_key``) instead of its id; ``answers-<key>.job-<s>.errors.jsonl``
 beside it holds the client's errors. The store of a key is all its files, whatever
 the job count that wrote them (and ``answers-<key>.jsonl``, the one file of draftflow
 before ``generate.servers``): a job asks only what none of them holds. Which job
@@ -85,32 +85,32 @@ def answer_store(work_dir: Path, key: str, server: int) -> Path:
     It is not a declared output, so Snakemake keeps it when the job fails or the
     prompts change; another key uses other files.
     """
-    return work_dir / f"answers-{key}.server-{server}.jsonl"
+    return work_dir / f"answers-{key}.job-{server}.jsonl"
 
 
-JOB_RECORDS = "servers"
+JOB_RECORDS = "jobs"
 
 
 def job_record(synthetic: str | Path, server: int | str) -> str:
     """Generation job ``server``'s record of its share (``generate.answer_share``), under
     the stage's folder: the job's output, which the gather reads."""
-    return f"{synthetic}/{JOB_RECORDS}/server-{server}.json"
+    return f"{synthetic}/{JOB_RECORDS}/job-{server}.json"
 
 
 def job_records(synthetic: Path) -> list[Path]:
     """The generation jobs' records a run left, in job order."""
-    return sorted((synthetic / JOB_RECORDS).glob("server-*.json"), key=lambda path: int(path.stem.split("-")[1]))
+    return sorted((synthetic / JOB_RECORDS).glob("job-*.json"), key=lambda path: int(path.stem.split("-")[1]))
 
 
-# answers-<key>.jsonl (before generate.servers) or answers-<key>.server-<s>.jsonl
-STORE_FILE = re.compile(r"answers-(?P<key>[0-9a-f]+)(?:\.server-(?P<server>\d+))?\.jsonl")
+# answers-<key>.jsonl (before generate.servers) or answers-<key>.job-<s>.jsonl
+STORE_FILE = re.compile(r"answers-(?P<key>[0-9a-f]+)(?:\.job-(?P<job>\d+))?\.jsonl")
 
 
 def store_files(work_dir: Path, key: str) -> list[Path]:
     """The files holding answers under ``key``: the one-file store of an earlier
     draftflow first, then each job's in job order."""
     found = [(m, path) for path in work_dir.glob(f"answers-{key}*.jsonl") if (m := STORE_FILE.fullmatch(path.name))]
-    return [path for m, path in sorted(found, key=lambda item: int(item[0]["server"] or -1)) if m["key"] == key]
+    return [path for m, path in sorted(found, key=lambda item: int(item[0]["job"] or -1)) if m["key"] == key]
 
 
 def other_stores(work_dir: Path, key: str) -> list[str]:

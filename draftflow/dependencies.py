@@ -79,11 +79,11 @@ STAGES = {
     "serve_check": Reads((*SERVER, "evaluate.draft_tokens", "evaluate.draft_token_sweep", "evaluate.serve_check_requests",
                           "evaluate.max_served_shortfall", "generate.max_tokens"),
                          after=("evaluate", "train_views", "train", "drafter_init"), target="model"),
-    "report": Reads(("report", "evaluate.serve_check"), after=("prompts", "generate", "prepare", "vocab_map", "extract_plan",
+    "report": Reads(("report", "evaluate.serve_check"), after=("prompts", "generate_server", "generate", "prepare", "vocab_map", "extract_plan",
                                         "fidelity_reference", "extract_server", "extract", "fidelity",
                                         "drafter_init", "train_views", "train", "evaluate", "serve_check")),
     # it records the whole config, and a hash of every stage's inputs
-    "provenance": Reads((), after=("prompts", "generate", "prepare", "vocab_map", "extract_plan",
+    "provenance": Reads((), after=("prompts", "generate_server", "generate", "prepare", "vocab_map", "extract_plan",
                                    "fidelity_reference", "extract_server", "extract", "drafter_init",
                                    "train_views", "train", "evaluate", "report")),
     "model_card": Reads((*SERVER, "evaluate.draft_tokens", "evaluate.serve_check", "generate.max_tokens", "generate.temperature", "seed"),

@@ -15,7 +15,7 @@ TIMINGS = {"synthetic/stats.json": {"server_seconds", "response_tokens_per_secon
                                     "servers"},
            "train/stats.json": {"seconds_this_run", "supervised_tokens_per_second"}}  # fmt: skip
 NOT_COMPARED = {
-    "synthetic/servers/*": "each generation job's record of its share: what it asked, for how long",
+    "synthetic/jobs/*": "each generation job's record of its share: what it asked, for how long",
     "synthetic/work/*": "the answer store: rows as asked (under content keys, naming the server's random port), "
     "also those of other configs of the folder (generated.jsonl, compared, is this config's, as asked)",
     "run_plan.md": "free space and the rates of earlier runs, at the start; the first run in a folder has none",

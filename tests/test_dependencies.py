@@ -79,7 +79,7 @@ def test_the_answer_store_key_follows_target_template_and_output_changing_flags_
     assert keyed_server_flags([*SERVER, "--chat-template", str(template)])[-1].startswith("--chat-template=sha256:")
     (target / "chat_template.jinja").write_text("{{ messages }}")
     assert generation_key(target, SERVER, 64, 0.0, 0) != key
-    assert answer_store(tmp_path, key, 0).name == f"answers-{key}.server-0.jsonl"
+    assert answer_store(tmp_path, key, 0).name == f"answers-{key}.job-0.jsonl"
     question = {"id": "q1", "messages": [{"role": "user", "content": "hi"}]}
     assert conversation_key({**question, "id": "renamed"}) == conversation_key(question)
     assert conversation_key({**question, "messages": [{"role": "user", "content": "hi!"}]}) != conversation_key(question)

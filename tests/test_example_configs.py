@@ -45,7 +45,7 @@ def test_example_dry_runs_load_the_model_once_per_server_that_fits_the_node(tmp_
     process = snakemake(tmp_path, config, "-n")
     counts = job_counts(process.stdout)
     assert counts["extract_server"] == servers and config["extract"]["shards"] > servers
-    assert counts["total"] < 20
+    assert counts["total"] < 22  # about a job per rule, not one per shard (the 1T example has 64)
     shards = config["extract"]["shards"]
     assert f"extract: {shards} shards on {servers} server job(s), one model load each" in process.stderr
 

@@ -88,7 +88,7 @@ def test_stats_log_and_report_carry_the_lost_turns(tmp_path, tokenizer_dir, caps
     for path, rows in by_file.items():
         write_jsonl(path, [stored(row) for row in rows])
     failed = conversation_key(CONVERSATIONS[-1])
-    write_jsonl(work / f"answers-{key}.server-1.errors.jsonl", [{"id": failed, "metadata": {"generations_completed": 1}}])
+    write_jsonl(work / f"answers-{key}.job-1.errors.jsonl", [{"id": failed, "metadata": {"generations_completed": 1}}])
     settings = GenerationSettings(
         max_tokens=64, temperature=0.0, concurrency=1, max_retries=0, seed=0,
         reasoning_end_marker="b", max_error_fraction=0.5, max_degenerate_fraction=0.25,

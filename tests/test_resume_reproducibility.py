@@ -41,7 +41,7 @@ class Killed:
 
 
 def answer_file(results: Path, server: int) -> Path:
-    return next((results / "synthetic/work").glob(f"answers-*.server-{server}.jsonl"), results / "not-yet.jsonl")
+    return next((results / "synthetic/work").glob(f"answers-*.job-{server}.jsonl"), results / "not-yet.jsonl")
 
 
 def one_job_done_and_the_other_answering(results: Path) -> Killed | None:

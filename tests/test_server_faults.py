@@ -38,7 +38,7 @@ def kill_server_during(workdir: Path, config: dict, target: str, ready, moment: 
 
 def partial_generation(results: Path) -> Path:
     work = results / "synthetic/work"
-    return next(work.glob("answers-*.server-0.jsonl"), work / "not-yet.jsonl")  # not .errors.jsonl
+    return next(work.glob("answers-*.job-0.jsonl"), work / "not-yet.jsonl")  # not .errors.jsonl
 
 
 def group_gone_within(pgid: int, seconds: float) -> bool:
