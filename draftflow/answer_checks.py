@@ -15,7 +15,7 @@ CUT = "cut at generate.max_tokens"
 EMPTY = "empty"
 ONE_TOKEN = "one token repeated"
 LOOP = "a short loop filling most of it"
-SAME = "the same answer as to a different prompt"
+SAME = "the same answer as another conversation's, to a different prompt"
 LIKELY_CAUSES = {
     CUT: "answers longer than generate.max_tokens: raise it (and vllm.max_model_len)",
     EMPTY: "a chat template other than the model's, or an end-of-turn token the model emits at once",
@@ -52,11 +52,30 @@ def loop_share(ids: list[int]) -> float:
     return best
 
 
+def conversation_of(row: dict) -> str:
+    """The conversation a row answers a turn of (speculators' client keeps it as ``primary_id``)."""
+    return row.get("primary_id", row["id"])
+
+
+def answered_elsewhere(rows: list[dict]) -> set[str]:
+    """Ids of the rows whose answer a row of another conversation, asked another prompt,
+    got too: two turns of one conversation may honestly be answered alike, and so may
+    one prompt asked twice."""
+    alike = defaultdict(list)
+    for row in rows:
+        alike[tuple(answer_ids(row))].append((row["id"], conversation_of(row), prompt_ids(row)))
+    found = set()
+    for group in alike.values():
+        conversations, prompts = Counter(c for _, c, _ in group), Counter(p for _, _, p in group)
+        both = Counter((c, p) for _, c, p in group)
+        # the others in the group, less those of this conversation or this prompt
+        found |= {i for i, c, p in group if len(group) - conversations[c] - prompts[p] + both[c, p] > 0}
+    return found
+
+
 def answer_flaws(rows: list[dict], max_tokens: int) -> dict[str, list[str]]:
     """Row id -> its flaws, for the rows that have any."""
-    prompts_of = defaultdict(set)
-    for row in rows:
-        prompts_of[tuple(answer_ids(row))].add(prompt_ids(row))
+    elsewhere = answered_elsewhere(rows)
     flaws = {}
     for row in rows:
         ids = answer_ids(row)
@@ -68,7 +87,7 @@ def answer_flaws(rows: list[dict], max_tokens: int) -> dict[str, list[str]]:
                 (EMPTY, not ids),
                 (ONE_TOKEN, repeats_count and Counter(ids).most_common(1)[0][1] >= ONE_TOKEN_SHARE * len(ids)),
                 (LOOP, repeats_count and loop_share(ids) >= LOOP_SHARE),
-                (SAME, repeats_count and len(prompts_of[tuple(ids)]) > 1),
+                (SAME, repeats_count and row["id"] in elsewhere),
             )
             if present
         ]

@@ -69,13 +69,23 @@ def complete_length(path: Path, block: int = 1 << 16) -> int:
     return 0
 
 
-def generation_key(target: Path, server_args: list[str], max_tokens: int, temperature: float, seed: int) -> str:
+# what generation asks with beside max_tokens, the temperature and the seed; unset, not keyed
+ASKED_WITH = ("sampling", "chat_template_kwargs", "system_prompt")
+
+
+def generation_key(target: Path, server_args: list[str], settings: dict) -> str:
     """The answer store's key (listed in draftflow.dependencies): the target (model,
     tokenizer, chat template, sampling defaults), the server's flags as they shape
-    answers, and the sampling settings. No path: a copied or moved target or run
-    folder finds its answers."""
-    shaping = [target_fingerprint(target), keyed_server_flags(server_args), max_tokens, temperature, seed]
-    return hashlib.sha256(json.dumps(shaping).encode()).hexdigest()[:16]
+    answers, and generation's ``settings`` as they shape them (the rule's: max_tokens,
+    temperature, seed and ASKED_WITH). No path: a copied or moved target or run folder
+    finds its answers."""
+    shaping = [target_fingerprint(target), keyed_server_flags(server_args), settings["max_tokens"],
+               settings["temperature"], settings["seed"]]  # fmt: skip
+    sampling = {name: value for name, value in (settings.get("sampling") or {}).items() if value is not None}
+    asked_with = {name: value for name, value in ({**settings, "sampling": sampling}).items() if name in ASKED_WITH and value}
+    if asked_with:  # absent where unset: the answers of runs before these settings keep their key
+        shaping.append(asked_with)
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def answer_store(work_dir: Path, key: str, server: int) -> Path:

@@ -16,12 +16,13 @@ FLAG = "--chat-template"
 UNKNOWN = "the endpoint's own (generate.endpoint): not known to draftflow"
 
 
-def flag_value(server_args: list[str]) -> str | None:
-    """The ``--chat-template`` value among a server's flags (either spelling), if any."""
+def flag_value(server_args: list[str], flag: str = FLAG) -> str | None:
+    """The value of ``flag`` (``--chat-template`` unless named) among a server's flags
+    (either spelling), if any."""
     for position, arg in enumerate(server_args):
-        if arg.startswith(f"{FLAG}="):
+        if arg.startswith(f"{flag}="):
             return arg.split("=", 1)[1]
-        if arg == FLAG and position + 1 < len(server_args):
+        if arg == flag and position + 1 < len(server_args):
             return server_args[position + 1]
     return None
 

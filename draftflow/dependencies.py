@@ -86,7 +86,7 @@ STAGES = {
     "provenance": Reads((), after=("prompts", "generate_server", "generate", "prepare", "vocab_map", "extract_plan",
                                    "fidelity_reference", "extract_server", "extract", "drafter_init",
                                    "train_views", "train", "evaluate", "report")),
-    "model_card": Reads((*SERVER, "evaluate.draft_tokens", "evaluate.serve_check", "generate.max_tokens", "generate.temperature", "seed"),
+    "model_card": Reads((*SERVER, "evaluate.draft_tokens", "evaluate.serve_check", "generate.max_tokens"),
                         after=("prompts", "generate", "vocab_map", "extract_plan", "train", "evaluate", "serve_check",
                                "provenance")),
 }  # fmt: skip
@@ -130,11 +130,12 @@ NO_EFFECT = {
 
 
 def leaves(config: dict, key: str) -> dict:
-    """``key``'s value, or each of its section's leaves, by dotted key."""
+    """``key``'s value, or each of its section's leaves, by dotted key (an empty
+    mapping, such as ``generate.chat_template_kwargs`` unset, is a leaf)."""
     value = config
     for part in key.split("."):
         value = value[part]
-    if not isinstance(value, dict):
+    if not isinstance(value, dict) or not value:
         return {key: value}
     return {leaf: v for name in value for leaf, v in leaves(config, f"{key}.{name}").items()}
 
@@ -171,9 +172,7 @@ def stage_depends(config: dict, stage: str, identities: dict[str, str]) -> dict:
 
 def run_generation_key(config: dict, target: TargetModel) -> str:
     """The key a run of ``config`` stores its answers under, as its generate job computes it."""
-    generate = config["generate"]
-    flags = generation_server_flags(config, target)
-    return generation_key(target.folder, flags, generate["max_tokens"], generate["temperature"], config["seed"])
+    return generation_key(target.folder, generation_server_flags(config, target), {**config["generate"], "seed": config["seed"]})
 
 
 def run_extraction_settings(config: dict, target: TargetModel, layer_ids: list[int]) -> ExtractionSettings:

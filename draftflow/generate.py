@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
 
@@ -30,8 +30,9 @@ from draftflow.answers import (
     unasked,
 )
 from draftflow.auth_proxy import api_key_from_env, authenticating_proxy
-from draftflow.chat_template import generation_record
+from draftflow.chat_template import flag_value, generation_record, served_template
 from draftflow.io import iter_jsonl, write_json, write_jsonl
+from draftflow.sampling import request_fields, sampling_record, server_defaults
 from draftflow.vllm_server import ServerGoneError, is_healthy, log_excerpt
 
 LOST_TURNS_WARN_FRACTION = 0.05
@@ -51,6 +52,13 @@ class GenerationSettings:
     reasoning_end_marker: str
     max_error_fraction: float
     max_degenerate_fraction: float
+    sampling: dict = field(default_factory=dict)  # generate.sampling: null fields are the server's
+    chat_template_kwargs: dict = field(default_factory=dict)
+    system_prompt: str | None = None
+
+    def request(self) -> dict:
+        """The sampling fields every chat request carries."""
+        return request_fields(self.temperature, self.seed, self.sampling, self.chat_template_kwargs)
 
 
 def regenerate(
@@ -92,7 +100,6 @@ def regenerate(
 def client_command(
     chat_url: str, conversations: Path, partial: Path, settings: GenerationSettings
 ) -> list[str]:
-    sampling = {"temperature": settings.temperature, "seed": settings.seed}
     return [
         sys.executable, "-m", "speculators", "regenerate-responses",
         "--endpoint", chat_url,
@@ -102,7 +109,7 @@ def client_command(
         "--concurrency", str(settings.concurrency),
         "--max-tokens", str(settings.max_tokens),
         "--max-retries", str(settings.max_retries),
-        "--sampling-params", json.dumps(sampling),
+        "--sampling-params", json.dumps(settings.request()),
     ]  # fmt: skip
 
 
@@ -270,20 +277,28 @@ def answer_share(
     server_log: Path | None,
     tokenizer_dir: str,
     output: Path,
+    server_args: list[str] | None,
 ) -> dict:
     """Generation job ``server`` of ``servers``: ask the target its share of the
-    conversations (``answers.share``) that no file of the store holds, into its own
-    file, and record what it asked; the error budget holds for its share (the early
-    check for its first answers). The degeneracy gate is the gather's (``finish``):
-    a share's flawed fraction varies by chance around the whole's."""
+    conversations (``answers.share``) that no file of the store holds and that fit the
+    server (``server_args``, None for an endpoint: ``PromptRoom``), into its own file,
+    and record what it asked; the error budget holds for its share (the early check
+    for its first answers). The degeneracy gate is the gather's (``finish``): a share's
+    flawed fraction varies by chance around the whole's."""
     asked = share(list(iter_jsonl(conversations)), server, servers)
     label = f"generation job {server} of {servers}"
-    seconds, asked_now = ask_unanswered(asked, work_dir, key, server, settings, endpoint, server_log, tokenizer_dir, label)
+    room = PromptRoom.of_server(tokenizer_dir, server_args, settings) if server_args is not None else None
+    seconds, asked_now, too_long = ask_unanswered(asked, work_dir, key, server, settings, endpoint, server_log, tokenizer_dir,
+                                                  label, room)  # fmt: skip
+    asked = [conversation for conversation in asked if conversation["id"] not in too_long]
     rows, errors = answered(work_dir, key, asked)
+    errors, overflowed = split_errors(errors)
     record = {
         "server": server,
         "servers": servers,
         "conversations": len(asked),
+        "too_long": sorted(too_long),
+        "overflowed": len(overflowed),
         "answered": len({row["primary_id"] for row in rows}),
         "errors": len(errors),
         "conversations_asked": len(asked_now & {row["primary_id"] for row in rows}),
@@ -310,10 +325,10 @@ def finish(
     evaluation_ids: set[str] = frozenset(),
 ) -> dict:
     """Gather the generation jobs' answers (``jobs``: their records): write the answers
-    of ``conversations`` from every file of the store, sorted by id, as one job would
-    have, their errors and stats (with the user turns lost to ``generate.max_tokens``,
-    warned about in the log), and hold the error budget and the degeneracy gate
-    over them all.
+    of ``conversations`` (but those the jobs found too long to ask) from every file of
+    the store, sorted by id, as one job would have, their errors and stats (with the
+    user turns lost to ``generate.max_tokens``, warned about in the log), and hold the
+    error budget and the degeneracy gate over them all.
 
     ``endpoint`` replaces the URL the client recorded in each row: a local
     server's port is random and would make reruns differ. ``server_args``: the
@@ -322,8 +337,11 @@ def finish(
     flawed answers are counted apart and fail nothing (generate.max_degenerate_fraction
     guards what the drafter trains on).
     """
-    asked = list(iter_jsonl(conversations))
+    too_long = sorted(conversation for job in jobs for conversation in job["too_long"])
+    never_asked = set(too_long)
+    asked = [conversation for conversation in iter_jsonl(conversations) if conversation["id"] not in never_asked]
     rows, errors = answered(work_dir, key, asked)
+    errors, overflowed = split_errors(errors)
     for row in rows:
         row["metadata"]["endpoint"] = endpoint
     errors_files = ", ".join(str(errors_path(file)) for file in store_files(work_dir, key))
@@ -332,7 +350,11 @@ def finish(
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     stats = generation_stats(rows, errors, tokenizer, settings.reasoning_end_marker, jobs)
     stats |= lost_turn_stats(asked, rows)
+    # never asked, or refused in a later turn: no rerun answers them, so no budget counts them
+    stats |= {"too_long": len(too_long), "too_long_ids": too_long, "overflowed": len(overflowed)}
     stats["chat_template"] = generation_record(tokenizer, tokenizer_dir, server_args)
+    stats["sampling"] = sampling_record(settings.request(), server_defaults(Path(tokenizer_dir), server_args))
+    print(f"Sampled with {stats['sampling']['effective']} (server defaults: {stats['sampling']['server_defaults']})")
     print(f"Prompts rendered with the chat template: {stats['chat_template']['source']}, sha256 {stats['chat_template']['sha256']}")
     training = [row for row in rows if row["primary_id"] not in evaluation_ids]
     flaws = answer_flaws(training, settings.max_tokens)
@@ -343,7 +365,7 @@ def finish(
     stats["warnings"] = lost_turns_warnings(stats, settings.max_tokens)
     for warning in stats["warnings"]:
         print(f"WARNING: {warning}")
-    write_jsonl(errors_output, errors)
+    write_jsonl(errors_output, sorted(errors + overflowed, key=lambda error: error["id"]))
     write_json(stats_output, stats)
     check_error_rate(stats["conversations"], stats["errors"], settings.max_error_fraction, errors_files, "generation")
     limit, counted = "generate.max_degenerate_fraction", f"counts in {stats_output}"
@@ -391,13 +413,22 @@ def ask_unanswered(
     server_log: Path | None,
     tokenizer_dir: str,
     label: str,
-) -> tuple[float, set[str]]:
+    room: PromptRoom | None,
+) -> tuple[float, set[str], set[str]]:
     """Ask the target only the conversations of ``asked`` that no file of the store of
-    ``key`` answers, appending to job ``server``'s file (starting no server when there
-    are none); the seconds generation took and the ids it asked."""
+    ``key`` answers and that fit ``room`` (None: not known), appending to job ``server``'s
+    file (starting no server when there are none); the seconds generation took, the
+    ids it asked and the ids of those too long to ask."""
     files, store = store_files(work_dir, key), answer_store(work_dir, key, server)
     todo = unasked(asked, stored_answers(files))
-    print(f"{label}: {len(asked)} conversations: {len(asked) - len(todo)} answered before, {len(todo)} to ask")
+    dropped = room.too_long(todo) if room else set()
+    too_long = {conversation["id"] for conversation in asked if conversation_key(conversation) in dropped}
+    todo = [question for question in todo if question["id"] not in dropped]
+    print(f"{label}: {len(asked)} conversations: {len(asked) - len(todo) - len(too_long)} answered before, "
+          f"{len(todo)} to ask, {len(too_long)} too long for the server's context (never asked)")  # fmt: skip
+    if too_long:
+        print(f"  too long: {', '.join(sorted(too_long)[:SHOWN_TOO_LONG])}{' ...' if len(too_long) > SHOWN_TOO_LONG else ''} "
+              f"(their first prompt leaves no token of vllm.max_model_len={room.max_model_len} to answer in)")
     if not files and (others := other_stores(work_dir, key)):
         print(
             f"{len(others)} other answer store(s) beside it ({', '.join(f'answers-{other}' for other in others)}) hold "
@@ -405,14 +436,68 @@ def ask_unanswered(
             f"keyed the chat template and the weights): kept, not used (this run's: answers-{key})"
         )
     if not todo:
-        return 0.0, set()
+        return 0.0, set(), too_long
     questions = store.with_name(f"{store.stem}.asking.jsonl")
-    write_jsonl(questions, todo)
+    write_jsonl(questions, [with_system_prompt(conversation, settings.system_prompt) for conversation in todo])
     keys = {question["id"] for question in todo}
     check_early = EarlyAnswerCheck(store, settings, tokenizer_dir)
     with endpoint() as url:
         seconds = timed(regenerate, url, questions, store, settings, check_early, server_log)
-    return seconds, {conversation["id"] for conversation in asked if conversation_key(conversation) in keys}
+    return seconds, {conversation["id"] for conversation in asked if conversation_key(conversation) in keys}, too_long
+
+
+def with_system_prompt(conversation: dict, system_prompt: str | None) -> dict:
+    """``conversation`` as it is asked: opened by ``system_prompt`` unless it has a system
+    turn of its own (its key stays its own turns': the prompt is in generation's key)."""
+    messages = conversation["messages"]
+    if system_prompt is None or any(message["role"] == "system" for message in messages):
+        return conversation
+    return {**conversation, "messages": [{"role": "system", "content": system_prompt}, *messages]}
+
+
+SHOWN_TOO_LONG = 5
+# what vLLM says of a prompt longer than --max-model-len (HTTP 400), as the client records it
+OVERFLOW = "maximum context length"
+
+
+@dataclass(frozen=True)
+class PromptRoom:
+    """The room a conversation's first prompt must fit in: ``max_model_len`` tokens of a
+    server rendering with ``template`` (None: the tokenizer's own), the prompt and one
+    answer token. vLLM refuses a longer prompt however often it is asked."""
+
+    tokenizer: object
+    template: str | None
+    max_model_len: int
+    settings: GenerationSettings
+
+    @classmethod
+    def of_server(cls, tokenizer_dir: str, server_args: list[str], settings: GenerationSettings) -> PromptRoom:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        _, template = served_template(tokenizer, tokenizer_dir, flag_value(server_args))
+        return cls(tokenizer, template, int(flag_value(server_args, "--max-model-len")), settings)
+
+    def too_long(self, questions: list[dict]) -> set[str]:
+        """The ids of ``questions`` whose first prompt leaves no token to answer in."""
+        return {question["id"] for question in questions if not self.fits(question)}
+
+    def fits(self, question: dict) -> bool:
+        messages = with_system_prompt(question, self.settings.system_prompt)["messages"]
+        first = messages[: next(i for i, message in enumerate(messages) if message["role"] == "user") + 1]
+        text = self.tokenizer.apply_chat_template(first, chat_template=self.template, add_generation_prompt=True,
+                                                  tokenize=False, **self.settings.chat_template_kwargs)  # fmt: skip
+        # a token holds a byte of the text at least (a word-start marker aside): only a
+        # prompt near the room in bytes is tokenized, as vLLM tokenizes a rendered chat
+        if len(text.encode()) + 2 <= self.max_model_len:
+            return True
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + 1 <= self.max_model_len
+
+
+def split_errors(errors: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the errors a rerun may mend, those of a later turn's prompt that outgrew the
+    server's context): vLLM refuses the latter however often they are asked."""
+    overflowed = [error for error in errors if OVERFLOW in error["metadata"].get("error", "")]
+    return [error for error in errors if error not in overflowed], overflowed
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import yaml
 
 from draftflow.acceptance_tables import category_tables, sets_table
 from draftflow.io import atomic_path
+from draftflow.sampling import sampling_text
 
 CARD = "README.md"
 TAGS = ["speculative-decoding", "eagle3", "speculators", "draftflow"]
@@ -107,8 +108,8 @@ def card_text(inputs: dict, settings: dict, files: dict[str, str]) -> str:
         f"- data: {inputs['prompts']['sampled']:,} training conversations mixed from the sources below; the "
         "evaluation sets are never trained on (the prompts stage refuses an overlap)", "",
         *mix_lines(inputs["prompts"]), "",
-        f"- generation: the target answered every conversation (vLLM, temperature {generation['temperature']}, "
-        f"max_tokens {generation['max_tokens']}, seed {generation['seed']}; chat template: "
+        f"- generation: the target answered every conversation (vLLM, max_tokens {generation['max_tokens']}, "
+        f"sampling {sampling_text(generated['sampling'])}; chat template: "
         f"{generated['chat_template']['source']}, sha256 {generated['chat_template']['sha256'][:16]})",
         f"- hidden states: layers {plan['layer_ids'][:-1]} (aux) and {plan['layer_ids'][-1]} (final), "
         f"{plan['storage']} storage, {plan['samples']:,} samples",

@@ -31,10 +31,11 @@ PROBE_QUESTION = [{"role": "user", "content": "What does len() return?"}]
 PROBE_ANSWER = "The number of items."
 
 
-def check_assistant_span(tokenizer, template: str | None, source: str) -> None:
-    """Stop when the chat template renders no assistant turn after its generation
-    prompt: the loss mask covers that span, so every mask would be empty."""
-    render = partial(tokenizer.apply_chat_template, chat_template=template, tokenize=False)
+def check_assistant_span(tokenizer, template: str | None, source: str, template_kwargs: dict) -> None:
+    """Stop when the chat template, given ``template_kwargs`` as generation gave them,
+    renders no assistant turn after its generation prompt: the loss mask covers that
+    span, so every mask would be empty."""
+    render = partial(tokenizer.apply_chat_template, chat_template=template, tokenize=False, **template_kwargs)
     prompt = render(PROBE_QUESTION, add_generation_prompt=True)
     full = render([*PROBE_QUESTION, {"role": "assistant", "content": PROBE_ANSWER}])
     span = full[len(os.path.commonprefix([prompt, full])) :]
@@ -75,8 +76,9 @@ def prepare(
 ) -> PrepareStats:
     tokenizer = AutoTokenizer.from_pretrained(target)
     source, template = served_template(tokenizer, target, chat_template)
-    check_assistant_span(tokenizer, template, source)
-    check_generation_used(read_json(generation_stats)["chat_template"], source, template, generation_stats)
+    generated = read_json(generation_stats)
+    check_assistant_span(tokenizer, template, source, generated["sampling"]["request"].get("chat_template_kwargs", {}))
+    check_generation_used(generated["chat_template"], source, template, generation_stats)
     rows = list(iter_jsonl(samples))
     for row in rows:
         check_token_ids(row, len(tokenizer), samples)

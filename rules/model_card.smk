@@ -32,11 +32,7 @@ rule model_card:
             },
             "draft_tokens": config["evaluate"]["draft_tokens"],
             "server_args": TARGET_SERVER_FLAGS,
-            "generation": {
-                "max_tokens": config["generate"]["max_tokens"],
-                "temperature": config["generate"]["temperature"],
-                "seed": config["seed"],
-            },
+            "generation": {"max_tokens": config["generate"]["max_tokens"]},
         },
     script:
         "../scripts/model_card.py"

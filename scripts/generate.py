@@ -8,7 +8,7 @@ from draftflow.rule_log import logged
 params = snakemake.params
 with logged(snakemake.log[0]):
     settings = GenerationSettings(**params.settings)
-    key = generation_key(Path(snakemake.input.target), params.server_args, settings.max_tokens, settings.temperature, settings.seed)
+    key = generation_key(Path(snakemake.input.target), params.server_args, params.settings)
     finish(
         Path(params.work_dir),
         key,

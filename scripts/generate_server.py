@@ -10,7 +10,7 @@ from draftflow.vllm_server import vllm_server
 params = snakemake.params
 with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
     settings = GenerationSettings(**params.settings)
-    key = generation_key(Path(snakemake.input.target), params.server["args"], settings.max_tokens, settings.temperature, settings.seed)
+    key = generation_key(Path(snakemake.input.target), params.server["args"], params.settings)
     server_log = None if params.endpoint else Path(snakemake.log.server)
     start_server = partial(vllm_server, snakemake.input.target, log_path=server_log, **params.server)
     answer_share(
@@ -24,4 +24,5 @@ with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):
         server_log=server_log,
         tokenizer_dir=snakemake.input.target,
         output=Path(snakemake.output.answered),
+        server_args=None if params.endpoint else params.server["args"],
     )

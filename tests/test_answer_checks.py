@@ -39,6 +39,17 @@ def test_each_flaw_is_found_on_its_answer_and_good_answers_have_none():
     assert answer_flaws(same_prompt_twice, MAX_TOKENS) == {}
 
 
+def test_two_turns_of_one_conversation_answered_alike_are_no_flaw_but_another_conversations_alike_answer_is():
+    answer = list(range(60, 72))
+    turns = [{**row(f"c1-turn{t}", [1, 2, t], answer), "primary_id": "c1"} for t in range(2)]
+    assert answer_flaws(turns, MAX_TOKENS) == {}
+    other = {**row("c2-turn0", [1, 3], answer), "primary_id": "c2"}
+    assert answer_flaws([*turns, other], MAX_TOKENS) == {"c1-turn0": [SAME], "c1-turn1": [SAME], "c2-turn0": [SAME]}
+    # another conversation asking c1's first prompt again: only c1's second turn differs from it
+    asked_again = {**row("c3-turn0", [1, 2, 0], answer), "primary_id": "c3"}
+    assert answer_flaws([*turns, asked_again], MAX_TOKENS) == {"c1-turn1": [SAME], "c3-turn0": [SAME]}
+
+
 def test_too_many_flawed_answers_stop_generation_naming_the_worst_and_the_causes():
     rows = GOOD + FLAWED
     flaws = answer_flaws(rows, MAX_TOKENS)

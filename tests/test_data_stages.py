@@ -1,7 +1,6 @@
 """Stages 1–4 on the demo target, through real Snakemake and a real vLLM CPU server."""
 
 import json
-from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -68,7 +67,7 @@ def test_generation_counts_the_flawed_answers_the_rows_hold(demo_run):
     """The demo's answers: most flaws the same memorised answer to two phrasings of one question
     (36 of 240 on the hosts of 2026-12-01, 54 here on 2026-12-04; the same bytes twice on each),
     now and then one cut at generate.max_tokens. The counts are the rows' own, recounted here from
-    generated.jsonl: an answer long enough to count repeats given to more than one prompt."""
+    generated.jsonl: an answer long enough to count repeats given to another conversation's other prompt."""
     stats = json.loads((demo_run / "synthetic/stats.json").read_text())
     evaluation_sets = json.loads((demo_run / "prompts/evaluation_sets.json").read_text())
     evaluation_ids = {sample for listed in evaluation_sets.values() for sample in listed["samples"]}
@@ -77,13 +76,12 @@ def test_generation_counts_the_flawed_answers_the_rows_hold(demo_run):
     assert stats["evaluation_set_answers"]["answers"] == len(every_row) - len(rows) > 0
     max_tokens = demo_config()["generate"]["max_tokens"]
     assert stats["truncated"] == sum(row["loss_mask"].count(1) >= max_tokens for row in rows) <= 2
-    split = [[tuple(t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m == part) for part in (1, 0)]
-             for row in rows]  # fmt: skip
-    prompts_of = defaultdict(set)
-    for answer, prompt in split:
-        prompts_of[answer].add(prompt)
-    shared = sum(len(answer) >= MIN_TOKENS_FOR_REPEATS and len(prompts_of[answer]) > 1 for answer, _ in split)
-    assert shared > 0 and stats["answer_flaws"]["the same answer as to a different prompt"] == shared
+    split = [(row["primary_id"], *(tuple(t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m == part)
+                                   for part in (1, 0))) for row in rows]  # fmt: skip
+    shared = sum(len(answer) >= MIN_TOKENS_FOR_REPEATS
+                 and any(a == answer and c != conversation and p != prompt for c, a, p in split)
+                 for conversation, answer, prompt in split)  # fmt: skip
+    assert shared > 0 and stats["answer_flaws"]["the same answer as another conversation's, to a different prompt"] == shared
     assert shared <= stats["flawed_answers"] <= sum(stats["answer_flaws"].values())
 
 

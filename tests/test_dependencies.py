@@ -4,6 +4,7 @@ README's rebuild table as the module renders it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -55,30 +56,36 @@ def test_the_model_identity_follows_config_and_weights_of_the_same_shape_not_pat
 
 SERVER = ["--dtype", "float32", "--max-model-len", "512", "--tensor-parallel-size", "1", "--data-parallel-size", "1",
           "--seed", "0", "--enforce-eager"]  # fmt: skip
+ASKED = {"max_tokens": 64, "temperature": 0.0, "seed": 0, "concurrency": 8}  # generation's settings, as the rule's
 
 
 def test_the_answer_store_key_follows_target_template_and_output_changing_flags_not_paths(tmp_path):
     target = small_target(tmp_path / "target")
-    key = generation_key(target, SERVER, 64, 0.0, 0)
+    key = generation_key(target, SERVER, ASKED)
     moved = tmp_path / "elsewhere/target"
     shutil.copytree(target, moved)
-    assert generation_key(moved, SERVER, 64, 0.0, 0) == key  # a copied or moved target finds its answers
+    assert generation_key(moved, SERVER, ASKED) == key  # a copied or moved target finds its answers
     # flags that change no answer: more replicas, more room, eager kernels
     unkeyed = [*SERVER[:2], "--max-model-len", "4096", *SERVER[4:6], "--data-parallel-size", "4", "--seed", "0"]
-    assert generation_key(target, unkeyed, 64, 0.0, 0) == key
+    assert generation_key(target, unkeyed, ASKED) == key
     for changed in (["--dtype", "bfloat16", *SERVER[2:]], [*SERVER, "--quantization", "fp8"]):
-        assert generation_key(target, changed, 64, 0.0, 0) != key
-    for settings in ((65, 0.0, 0), (64, 0.5, 0), (64, 0.0, 1)):
-        assert generation_key(target, SERVER, *settings) != key
+        assert generation_key(target, changed, ASKED) != key
+    for changed in ({"max_tokens": 65}, {"temperature": 0.5}, {"seed": 1}, {"sampling": {"top_p": 0.95}},
+                    {"chat_template_kwargs": {"enable_thinking": False}}, {"system_prompt": "Be brief."}):
+        assert generation_key(target, SERVER, ASKED | changed) != key, changed
+    # unset, the settings added since keep the key runs before them stored their answers under
+    unset = ASKED | {"sampling": {"top_p": None}, "chat_template_kwargs": {}, "system_prompt": None}
+    before_them = [target_fingerprint(target), keyed_server_flags(SERVER), 64, 0.0, 0]
+    assert generation_key(target, SERVER, unset) == hashlib.sha256(json.dumps(before_them).encode()).hexdigest()[:16] == key
     # --chat-template counts by the text it gives: a file and the same text inline agree
     template = tmp_path / "template.jinja"
     template.write_text("{{ messages[0].content }}")
-    from_file = generation_key(target, [*SERVER, "--chat-template", str(template)], 64, 0.0, 0)
+    from_file = generation_key(target, [*SERVER, "--chat-template", str(template)], ASKED)
     assert from_file != key
-    assert generation_key(target, [*SERVER, f"--chat-template={template.read_text()}"], 64, 0.0, 0) == from_file
+    assert generation_key(target, [*SERVER, f"--chat-template={template.read_text()}"], ASKED) == from_file
     assert keyed_server_flags([*SERVER, "--chat-template", str(template)])[-1].startswith("--chat-template=sha256:")
     (target / "chat_template.jinja").write_text("{{ messages }}")
-    assert generation_key(target, SERVER, 64, 0.0, 0) != key
+    assert generation_key(target, SERVER, ASKED) != key
     assert answer_store(tmp_path, key, 0).name == f"answers-{key}.job-0.jsonl"
     question = {"id": "q1", "messages": [{"role": "user", "content": "hi"}]}
     assert conversation_key({**question, "id": "renamed"}) == conversation_key(question)

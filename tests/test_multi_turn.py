@@ -95,8 +95,8 @@ def test_stats_log_and_report_carry_the_lost_turns(tmp_path, tokenizer_dir, caps
     )  # fmt: skip
     stats_path = tmp_path / "stats.json"
     # "single" and "complete" asked now, by one job each; "truncated" answered by an earlier run
-    jobs = [{"conversations_asked": 1, "response_tokens_generated": 1, "seconds": 0.5},
-            {"conversations_asked": 1, "response_tokens_generated": 3, "seconds": 0.5}]  # fmt: skip
+    jobs = [{"conversations_asked": 1, "response_tokens_generated": 1, "seconds": 0.5, "too_long": []},
+            {"conversations_asked": 1, "response_tokens_generated": 3, "seconds": 0.5, "too_long": []}]  # fmt: skip
     finish(work, key, conversations, jobs, str(tokenizer_dir), settings, "test", None, tmp_path / "out.jsonl", tmp_path / "errors.jsonl", stats_path)
     stats = json.loads(stats_path.read_text())
     assert [row["id"] for row in iter_jsonl(tmp_path / "out.jsonl")] == sorted(row["id"] for row in ROWS)

