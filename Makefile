@@ -45,5 +45,7 @@ lock:
 lock-cuda:
 	$(BIN)/python -m draftflow.locks cuda
 
+# Keeps each run's answer stores and hidden states (hours of GPU work on a real
+# target) unless ALL=1, and says so.
 clean:
-	rm -rf results logs benchmarks .snakemake
+	$(PYTHON) -m draftflow.run_folder $(if $(filter 1,$(ALL)),--all)

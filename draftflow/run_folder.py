@@ -9,10 +9,15 @@ check import it without torch::
     results/<run>/provenance.json              what ran, on what
     logs/<run>/<rule>.log                      each job's log
     benchmarks/<run>/<rule>.tsv                each job's benchmark (extract_server-<s>.tsv)
+
+``python -m draftflow.run_folder`` (``make clean``) deletes them, keeping what a real
+target spent its GPU-hours on (COSTLY) unless told ``--all``.
 """
 
 from __future__ import annotations
 
+import argparse
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,3 +111,49 @@ def stage_dir(run_dir: Path, rule: str) -> Path:
 
 def hidden_states_dir(run_dir: Path) -> Path:
     return run_dir / HIDDEN_STATES
+
+
+ANSWER_STORES = "synthetic/work"  # draftflow.answers' files: every answer generation got
+# Kept by a clean unless told: a rerun asks no stored answer again and extracts no
+# journaled sample again, however Snakemake's records were lost.
+COSTLY = (ANSWER_STORES, HIDDEN_STATES)
+
+
+def clean(workdir: Path, everything: bool) -> list[Path]:
+    """Delete every run's results, logs and benchmarks and Snakemake's records in
+    ``workdir``, but, unless ``everything``, each run's COSTLY folders: those kept."""
+    results = workdir / RESULTS
+    kept = [] if everything else sorted(path for run in results.glob("*") for name in COSTLY if (path := run / name).exists())
+    if results.exists():
+        prune(results, set(kept))
+    for name in (LOGS, BENCHMARKS, ".snakemake"):
+        shutil.rmtree(workdir / name, ignore_errors=True)
+    return kept
+
+
+def prune(folder: Path, kept: set[Path]) -> None:
+    """Delete what ``folder`` holds but the ``kept`` paths and the folders leading to them."""
+    for child in folder.iterdir():
+        if child in kept:
+            continue
+        if any(child in path.parents for path in kept):
+            prune(child, kept)
+        elif child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make clean", description="Delete the runs of this working directory.")
+    parser.add_argument("--all", action="store_true", help="the answer stores and hidden states too")
+    kept = clean(Path.cwd(), parser.parse_args(argv).all)
+    for path in kept:
+        print(f"kept {path} (make clean ALL=1 deletes it)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -37,7 +37,7 @@ rule generate_server:
         servers=GENERATE_SERVERS,
         endpoint=config["generate"]["endpoint"],
         api_key_env=config["generate"]["api_key_env"],
-        work_dir=result("synthetic/work"),
+        work_dir=result(run_folder.ANSWER_STORES),
         server=GENERATION_SERVER,
         settings=GENERATION_SETTINGS,
     script:
@@ -67,7 +67,7 @@ rule generate:
         depends=depends_on("generate"),
         code=code_version("generate"),
         endpoint=config["generate"]["endpoint"],
-        work_dir=result("synthetic/work"),
+        work_dir=result(run_folder.ANSWER_STORES),
         server_args=GENERATION_SERVER["args"],
         settings=GENERATION_SETTINGS,
     script:

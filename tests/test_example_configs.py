@@ -84,3 +84,19 @@ def test_a_users_config_file_stands_alone_also_run_in_the_checkout(tmp_path):
     assert yaml.safe_load((REPO / "config/config.yaml").read_text())["data"]["num_samples"] == 240
     snakemake(tmp_path, config, "results/alone/prompts/conversations.jsonl")
     assert len((tmp_path / "results/alone/prompts/conversations.jsonl").read_text().splitlines()) == 250
+
+
+def undescribed(node: dict, prefix: str = "") -> list[str]:
+    """The keys under ``node``'s properties (recursively) that have no description."""
+    found = []
+    for name, child in node.get("properties", {}).items():
+        key = f"{prefix}.{name}".lstrip(".")
+        found += ([] if "description" in child else [key]) + undescribed(child, key)
+    return found
+
+
+def test_every_config_key_says_what_it_does():
+    schema = yaml.safe_load((REPO / "draftflow/config_schema.yaml").read_text())
+    source = next(option for option in schema["$defs"]["prompt_source"]["oneOf"] if option.get("type") == "object")
+    assert undescribed(schema) + undescribed(source, "a prompt source") == []
+    assert undescribed({"properties": {"a": {"properties": {"b": {}}, "description": "x"}}}) == ["a.b"]

@@ -1,6 +1,7 @@
 """The extraction wing: its layout module alone spells the stage's file names; no import circle."""
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -100,3 +101,22 @@ def test_files_are_named_by_sample_id_and_the_journal_keeps_only_records_of_that
     path.write_text("".join(layout.journal_line(line) + "\n" for line in lines) + '{"sample_id": "s3", "tok')
     assert layout.read_journal(path) == ("k", {"s0": again, "s1": other})  # old shape and torn line skipped
     assert layout.read_journal(tmp_path / "missing.jsonl") == (None, {})
+
+
+def test_make_clean_keeps_the_answer_stores_and_hidden_states_and_says_so_unless_told_all(tmp_path):
+    files = ["results/a/synthetic/generated.jsonl", "results/a/synthetic/work/answers-0123.job-0.jsonl",
+             "results/a/hidden_states/shard-0/hs_q1.safetensors", "results/a/train/stats.json",
+             "results/b/prompts/conversations.jsonl", "logs/a/generate.log", "benchmarks/a/generate.tsv",
+             ".snakemake/metadata/x"]  # fmt: skip
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    make = ["make", "-s", "-f", str(REPO / "Makefile"), "clean", f"PYTHON={sys.executable}"]
+    said = subprocess.run(make, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
+    left = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*") if path.is_file())
+    assert left == [files[2], files[1]]
+    assert said.splitlines() == [f"kept {tmp_path / 'results/a/hidden_states'} (make clean ALL=1 deletes it)",
+                                 f"kept {tmp_path / 'results/a/synthetic/work'} (make clean ALL=1 deletes it)"]  # fmt: skip
+    subprocess.run([*make, "ALL=1"], cwd=tmp_path, env=env, capture_output=True, check=True)
+    assert list(tmp_path.iterdir()) == []

@@ -282,7 +282,8 @@ def test_generation_asks_with_the_sampling_and_template_arguments_the_target_is_
                "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
     assert len({row["primary_id"] for row in rows}) == len(QUESTIONS) + len(near_limit) and all(row["metadata"]["sampling_params"] == request for row in rows)
     assert all(row["text"].startswith("<|im_start|>system\nAnswer briefly.<|im_end|>") for row in rows)
-    # the template's empty think block closes each prompt, before the answer's first token
+    # the template's empty think block closes each prompt, before the answer's first token; no answer closes another
+    assert stats["reasoning_capture_rate"] == 0.0 and all(row["text"].count("</think>") == 1 for row in rows)
     assert all(row["text"].rsplit("<|im_start|>assistant\n", 1)[1].startswith("<think>\n\n</think>\n\n") for row in rows)
     server_log = (tmp_path / f"logs/{run.name}/generate_server-0.server.log").read_text()
     conversations = [json.loads(line) for line in (tmp_path / "results" / run.name / "prompts/conversations.jsonl").open()]
