@@ -25,7 +25,6 @@ from pathlib import Path
 from draftflow.extract import layout
 from draftflow.progress import Options, check
 
-REPO = Path(__file__).resolve().parents[1]
 SHARDS, PER_SHARD, DONE_SHARDS, RUNNING_SHARDS, RUNNING_DONE = 64, 188, 48, 8, 122
 HIDDEN, LAYER_IDS, BYTES_PER_VALUE = 7168, [2, 30, 58, 61], 2
 TARGET = {"hidden_size": HIDDEN, "intermediate_size": 18432, "num_attention_heads": 64,
@@ -117,10 +116,10 @@ def write_config(scratch: Path) -> Path:
 
 def time_cli(run_dir: Path, config: Path) -> tuple[float, subprocess.CompletedProcess]:
     command = [
-        sys.executable,
-        str(REPO / "scripts/progress.py"),
+        str(Path(sys.executable).with_name("draftflow")),
+        "progress",
         str(run_dir),
-        "--config",
+        "--configfile",
         str(config),
         "--free-bytes",
         "1TB",
@@ -142,7 +141,7 @@ def main() -> None:
     config = write_config(scratch)
     runs = [time_cli(run_dir, config) for _ in range(3)]
     started = time.perf_counter()
-    report = check(run_dir, Options(config=config, free_bytes=10**12))
+    report = check(run_dir, Options(configs=(config,), free_bytes=10**12))
     in_process = time.perf_counter() - started
     print(runs[-1][1].stdout[-2200:])
     print(json.dumps({

@@ -32,12 +32,22 @@ def with_defaults(value: dict, node: dict) -> dict:
     return filled
 
 
-def load_config(path: Path) -> dict:
-    """The YAML config at ``path``, checked against the schema, defaults filled in."""
-    config = yaml.safe_load(Path(path).read_text()) or {}
+def merged(base: dict, over: dict) -> dict:
+    """``over``'s keys over ``base``'s, section by section, as Snakemake merges the files
+    of ``--configfile A B``."""
+    return {**base, **{key: merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict)
+                       else value for key, value in over.items()}}  # fmt: skip
+
+
+def load_config(*paths: Path) -> dict:
+    """The YAML config files at ``paths``, merged as Snakemake merges them, checked
+    against the schema, defaults filled in."""
+    config = {}
+    for path in paths:
+        config = merged(config, yaml.safe_load(Path(path).read_text()) or {})
     try:
         jsonschema.validate(config, schema())
     except jsonschema.ValidationError as error:
         where = ".".join(map(str, error.absolute_path)) or "the top level"
-        raise ValueError(f"{path}: {where}: {error.message} (see {SCHEMA})") from None
+        raise ValueError(f"{', '.join(map(str, paths))}: {where}: {error.message} (see {SCHEMA})") from None
     return with_defaults(config, schema())

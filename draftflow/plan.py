@@ -1,6 +1,6 @@
 """The plan: what a run will cost, stage by stage, before it starts.
 
-    python -m draftflow.plan --configfile config.yaml [--rates results/<earlier run> | --rates rates.yaml]
+    draftflow plan --configfile config.yaml [--rates results/<earlier run> | --rates rates.yaml]
 
 Per stage: jobs, GPUs per job, model loads, bytes written, wall time and
 GPU-hours; totals and the disk the run fills against the free space, with
@@ -64,7 +64,7 @@ from draftflow.prompts import config_selection
 from draftflow.report import read_benchmark
 from draftflow.target_model import TargetModel, read_target_model
 from draftflow.target_source import resolve_target
-from draftflow.units import fmt_bytes, fmt_duration, parse_size
+from draftflow.units import fmt_bytes, fmt_duration, size_argument
 
 FITS, WILL_NOT_FIT = 0, 3
 # Stages whose time the plan models from the data's size; the others' it takes as measured.
@@ -508,21 +508,23 @@ def render_json(plan: Plan) -> str:
     return json.dumps(asdict(plan), indent=2) + "\n"
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m draftflow.plan") -> int:
+def main(argv: list[str] | None = None, prog: str = "draftflow plan") -> int:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="What a run will cost per stage (jobs, GPUs, model loads, bytes, time, GPU-hours) before it starts.",
         epilog="exit codes: 0 fits; 3 will not fit; 1 a file it needs is missing; 2 bad arguments.",
     )
-    parser.add_argument("--configfile", type=Path, required=True, help="the run's config")
+    parser.add_argument("--configfile", type=Path, nargs="+", action="extend", required=True, metavar="FILE",
+                        help="the run's config file(s), as Snakemake takes them (later files over earlier ones)")  # fmt: skip
     parser.add_argument("--directory", type=Path, default=Path.cwd(), help="the workflow's working directory (default: here)")
     parser.add_argument("--rates", type=Path, help="an earlier run's results/<run>, or a rates YAML (fields of draftflow.plan.Rates)")
-    parser.add_argument("--free-bytes", type=parse_size, help="free space to plan against (default: measured)")
+    parser.add_argument("--free-bytes", type=size_argument, metavar="SIZE",
+                        help="free space to plan against (default: measured; e.g. 800G, 1.5TB, 2TiB)")  # fmt: skip
     parser.add_argument("--gpus", type=int, help="GPUs of one node (default: this machine's; pass the nodes' count on a login node)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     try:
-        config = load_config(args.configfile)
+        config = load_config(*args.configfile)
         rates = load_rates(args.rates, config["device"])
         gpus = local_gpu_count() if args.gpus is None else args.gpus
         plan = build_plan(config, args.directory / run_folder.result(config["run"], ""), rates, args.free_bytes, gpus)

@@ -1,5 +1,6 @@
 """How numbers read in messages, tables and reports: decimal bytes, short durations."""
 
+import argparse
 import re
 
 SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
@@ -34,3 +35,11 @@ def parse_size(text: str) -> int:
     number, prefix, binary = match.groups()
     base = 1024 if binary else 1000
     return round(float(number) * base ** "_kmgtp".index(prefix.lower() or "_"))
+
+
+def size_argument(text: str) -> int:
+    """``parse_size`` for a command's option: its message, not argparse's own."""
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error

@@ -20,6 +20,7 @@ from draftflow.vllm_registry import CACHE_DIR_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
+DRAFTFLOW = Path(sys.executable).with_name("draftflow")  # the command the docs show, installed with the checkout
 # The suite's own draftflow cache (issue 43): it leaves the user's ~/.cache/draftflow as it was.
 # Set here, in the process that starts the xdist workers, before it starts them: they share it.
 SUITE_CACHE = None if CACHE_DIR_ENV in os.environ else tempfile.mkdtemp(prefix="draftflow-suite-cache-")

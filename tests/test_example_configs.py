@@ -100,3 +100,27 @@ def test_every_config_key_says_what_it_does():
     source = next(option for option in schema["$defs"]["prompt_source"]["oneOf"] if option.get("type") == "object")
     assert undescribed(schema) + undescribed(source, "a prompt source") == []
     assert undescribed({"properties": {"a": {"properties": {"b": {}}, "description": "x"}}}) == ["a.b"]
+
+
+def test_several_config_files_merge_as_snakemake_merges_them(tmp_path):
+    """`draftflow plan --configfile A B` and `draftflow progress --configfile A B` read the
+    config the workflow runs with: B's keys over A's, section by section."""
+    import copy
+
+    from snakemake.utils import update_config
+
+    from draftflow.config import load_config, schema, with_defaults
+
+    base = {"run": "x", "target": {"path": "t", "dtype": "float32"}, "data": {"prompt_files": ["p.jsonl"]},
+            "generate": {"max_tokens": 64, "sampling": {"top_p": 0.9}}}  # fmt: skip
+    over = {"target": {"dtype": "bfloat16"}, "data": {"prompt_files": ["q.jsonl"]}, "generate": {"sampling": {"top_k": 20}}}
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(base))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(over))
+    expected = copy.deepcopy(base)
+    update_config(expected, over)
+    config = load_config(tmp_path / "a.yaml", tmp_path / "b.yaml")
+    assert config == with_defaults(expected, schema())
+    assert config["generate"]["sampling"]["top_p"] == 0.9 and config["data"]["prompt_files"] == ["q.jsonl"]
+    (tmp_path / "c.yaml").write_text("vllm: {max_model_len: 8}\n")
+    with pytest.raises(ValueError, match=r"a.yaml, .*c.yaml: vllm.max_model_len: 8 is less than the minimum of 16"):
+        load_config(tmp_path / "a.yaml", tmp_path / "c.yaml")

@@ -3,7 +3,6 @@
 import json
 import re
 import subprocess
-import sys
 import time
 
 import pytest
@@ -17,7 +16,7 @@ from draftflow.extract.layout import Sample
 from draftflow.extract.transformers_backend import TransformersExtractor, load_target
 from draftflow.fingerprint import file_sha256
 from draftflow.vllm_server import free_port
-from tests.conftest import REPO, complete_lines, copy_demo_run, demo_config, pause_group, snakemake, start_snakemake, stop_group, wait_until
+from tests.conftest import DRAFTFLOW, complete_lines, copy_demo_run, demo_config, pause_group, snakemake, start_snakemake, stop_group, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +145,7 @@ def test_a_killed_server_job_resumes_each_of_its_shards_from_its_journal(tmp_pat
 
 def progress_report(workdir, folder):
     """The README's progress command, run in the run's working directory; its JSON."""
-    command = [sys.executable, str(REPO / "scripts/progress.py"), folder, "--json"]
+    command = [str(DRAFTFLOW), "progress", folder, "--json"]
     checked = subprocess.run(command, capture_output=True, text=True, cwd=workdir)
     assert checked.returncode == 0, checked.stderr
     return json.loads(checked.stdout)

@@ -6,7 +6,6 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from draftflow.progress import (
 )
 from draftflow.target_model import read_target_model
 from draftflow.units import fmt_bytes, parse_size
-from tests.conftest import REPO
+from tests.conftest import DRAFTFLOW
 
 LAYERS, HIDDEN = 4, 32
 LAYER_IDS = resolve_layer_ids([1, 2], LAYERS)
@@ -283,7 +282,7 @@ def test_will_not_fit_exit_code_and_message_through_the_cli(partial):
     run, _ = partial
 
     def progress(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, str(REPO / "scripts/progress.py"), str(run.hs_dir.parent), *args]
+        command = [str(DRAFTFLOW), "progress", str(run.hs_dir.parent), *args]
         return subprocess.run(command, capture_output=True, text=True)
 
     stopped = check(run.hs_dir)
@@ -297,7 +296,9 @@ def test_will_not_fit_exit_code_and_message_through_the_cli(partial):
     assert roomy.returncode == FAILED_SHARD and report["disk"]["fits"]
     assert report["disk"]["headroom"] == 10**12 - left - 10**6
     assert parse_size("1.5TB") == 1_500_000_000_000 and parse_size("2GiB") == 2 * 1024**3
-    assert progress("--free-bytes", "lots").returncode == 2
+    refused = progress("--free-bytes", "lots")
+    assert refused.returncode == 2 and "not a size: 'lots' (examples: 123456, 500G, 1.5TB, 2TiB)" in refused.stderr
+    assert "usage: draftflow progress" in refused.stderr
 
 
 def test_watch_draws_a_bar_per_shard_until_done(finished):
@@ -323,13 +324,13 @@ def test_later_stage_estimate_counts_the_demo_drafter(tmp_path):
         f"run: demo\ndevice: cpu\ntarget: {{path: {tmp_path / 'target'}}}\nvocab: {{draft_vocab_size: 128}}\n"
         "data: {prompt_files: [prompts.jsonl]}\n"
     )
-    disk = check(run_dir, Options(config=config, free_bytes=10**9)).disk
+    disk = check(run_dir, Options(configs=(config,), free_bytes=10**9)).disk
     assert disk.later_stages_detail["drafter"]["estimated"] == 4 * 721_792  # float32 on the CPU
     assert disk.later_stages == sum(d["estimated"] for d in disk.later_stages_detail.values())
     (run_dir / "drafter_trained").mkdir()
     (run_dir / "drafter_trained/model.safetensors").write_bytes(bytes(10**6))  # written already: needed no more
     assert (
-        check(run_dir, Options(config=config, free_bytes=10**9)).disk.later_stages
+        check(run_dir, Options(configs=(config,), free_bytes=10**9)).disk.later_stages
         == disk.later_stages - 10**6
     )
 
@@ -342,7 +343,7 @@ def test_the_cli_finds_the_extraction_beside_a_run_plan_and_says_each_error_in_o
     write_json(run_dir / "plan.json", {"stages": []})  # a file of the user's, or an older run plan
 
     def progress(path: Path) -> subprocess.CompletedProcess:
-        command = [sys.executable, str(REPO / "scripts/progress.py"), str(path), "--json"]
+        command = [str(DRAFTFLOW), "progress", str(path), "--json"]
         return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
 
     for given in (run_dir, run_dir / "hidden_states"):

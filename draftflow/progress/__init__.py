@@ -2,8 +2,8 @@
 
 ``scan`` reads what the extraction leaves on disk, ``estimate`` makes the check
 (rates, ETA, size, disk, stalls), ``render`` draws it, ``cli`` is the command
-(``scripts/progress.py``, ``draftflow progress``). Standard library (and PyYAML
-for ``--config``) only, so a check is fast.
+(``draftflow progress``). Standard library (and PyYAML for ``--configfile``) only,
+so a check is fast.
 """
 
 from draftflow.progress.cli import main

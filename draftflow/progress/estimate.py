@@ -299,7 +299,7 @@ def target_model(config: dict) -> TargetModel:
     path = resolve_target(config["target"]["path"]).folder / "config.json"
     if not path.exists():
         raise FileNotFoundError(
-            f"--config: no target config at {path.resolve()}; run from the workflow directory or pass --reserve-bytes"
+            f"--configfile: no target config at {path.resolve()}; run from the workflow directory or pass --reserve-bytes"
         )
     return read_target_model(path.parent)
 
@@ -312,9 +312,9 @@ def later_stages(options: Options, plan: dict, run_dir: Path) -> tuple[int, str,
     """
     if options.reserve_bytes is not None:
         return options.reserve_bytes, "--reserve-bytes", {}
-    if options.config is None:
-        return 0, "not counted: pass --config or --reserve-bytes", {}
-    config = load_config(options.config)
+    if not options.configs:
+        return 0, "not counted: pass --configfile or --reserve-bytes", {}
+    config = load_config(*options.configs)
     estimate = later_stage_bytes(
         config, target_model(config), len(plan["layer_ids"]), tree_bytes(run_folder.stage_dir(run_dir, "prepare") / "dataset")
     )
@@ -326,7 +326,7 @@ def later_stages(options: Options, plan: dict, run_dir: Path) -> tuple[int, str,
         for output in estimate
     }
     needed = sum(max(0, d["estimated"] - d["written"]) for d in detail.values())
-    return needed, f"estimated from {options.config}", detail
+    return needed, f"estimated from {', '.join(map(str, options.configs))}", detail
 
 
 def check_disk(hs_dir: Path, size: Size, in_flight: int, options: Options, plan: dict) -> Disk:

@@ -12,7 +12,7 @@
   model became ready (rates leave model loading out);
 - ``shard-<k>.json``: the manifest; a shard with one is done.
 
-Standard library (and PyYAML for ``--config``) only, so a check is fast:
+Standard library (and PyYAML for ``--configfile``) only, so a check is fast:
 draftflow.extract.hidden_states is not imported because it imports torch.
 """
 
@@ -34,8 +34,8 @@ class Options:
     window_s: float = 300.0
     stall_after_s: float = 600.0
     free_bytes: int | None = None  # instead of the measured free space
-    reserve_bytes: int | None = None  # what the later stages need, instead of --config's estimate
-    config: Path | None = None
+    reserve_bytes: int | None = None  # what the later stages need, instead of --configfile's estimate
+    configs: tuple[Path, ...] = ()  # the run's config files, merged as Snakemake merges them
     check_pids: bool = True
 
 
