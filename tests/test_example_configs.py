@@ -124,3 +124,12 @@ def test_several_config_files_merge_as_snakemake_merges_them(tmp_path):
     (tmp_path / "c.yaml").write_text("vllm: {max_model_len: 8}\n")
     with pytest.raises(ValueError, match=r"a.yaml, .*c.yaml: vllm.max_model_len: 8 is less than the minimum of 16"):
         load_config(tmp_path / "a.yaml", tmp_path / "c.yaml")
+
+
+def test_the_configuration_reference_is_the_table_the_schema_renders():
+    from draftflow.config import parameter_table
+
+    reference = (REPO / "docs/configuration.md").read_text()
+    begin, end = "<!-- parameter table (python -m draftflow.config) -->\n", "<!-- parameter table: end -->"
+    assert reference.split(begin, 1)[1].split(end, 1)[0] == parameter_table(), "run: python -m draftflow.config"
+    assert "| `generate.sampling.top_p` | number or null | `null` | Sample from the smallest set" in reference
