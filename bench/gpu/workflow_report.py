@@ -16,8 +16,8 @@ from pathlib import Path
 
 from draftflow.report import COLUMNS, gather_runtimes, runtime_rows, stage_work
 
-CPU_STAGES = ("demo_target", "prompts", "generate", "prepare", "vocab_map")
-ORDER = ("demo_target", "prompts", "generate", "prepare", "vocab_map", "extract_plan", "extract_shard", "extract",
+CPU_STAGES = ("demo_target", "prompts", "generate_server", "generate", "prepare", "vocab_map")
+ORDER = ("demo_target", "prompts", "generate_server", "generate", "prepare", "vocab_map", "extract_plan", "extract_server", "extract",
          "fidelity", "drafter_init", "train_views", "train", "evaluate", "serve_check")  # fmt: skip
 STATS = {"prompts": "prompts/stats.json", "generate": "synthetic/stats.json", "prepare": "prepared/stats.json",
          "extract": "hidden_states/manifest.json", "train": "train/stats.json"}  # fmt: skip
