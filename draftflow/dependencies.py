@@ -13,7 +13,7 @@ outputs of the stages before it; its rule's code is its ``code`` param
 - the extraction journal's key (``extract.journal_key.extraction_settings``):
   what makes a hidden-state file's bytes, the extraction code and the packages
   that run it included;
-- the README's rebuild table (``draftflow.rebuild_table``).
+- the rebuild table of docs/rebuilds.md (``draftflow.rebuild_table``).
 
 The two keys are built beside the formats they key (the server's part in
 ``server_flags``), so that the generate and extract_plan jobs' code versions

@@ -1,4 +1,4 @@
-"""The README's rebuild table, rendered from draftflow.dependencies: which stages an
+"""The rebuild table of docs/rebuilds.md, rendered from draftflow.dependencies: which stages an
 edit reruns follows from what each stage reads; what generation asks and
 extraction computes again, and the test that checks it, are this module's rows.
 
@@ -16,7 +16,7 @@ from draftflow.server_flags import UNKEYED_SERVER_FLAGS
 
 @dataclass(frozen=True)
 class Rebuild:
-    """A row of the README's rebuild table."""
+    """A row of the rebuild table."""
 
     edit: str
     changes: tuple[str, ...]  # what stages_reading takes
@@ -115,7 +115,7 @@ def render_no_effect_table() -> str:
 
 
 def main() -> int:
-    """python -m draftflow.rebuild_table: print the README's two tables."""
+    """python -m draftflow.rebuild_table: print docs/rebuilds.md's two tables."""
     sys.stdout.write(render_rebuild_table() + "\n" + render_no_effect_table())
     return 0
 

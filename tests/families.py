@@ -14,7 +14,7 @@ parameters (``TEXT_SIZES``, ``TOWER_SIZES``) and saved with ``save_pretrained``;
 tokenizer: the fast checks feed token ids. ``tests/twins.py`` builds the
 hand-made twins the workflow runs (chat templates, tokenizers, vLLM's fixes).
 
-``python -m tests.families README.md`` rewrites the README's family table.
+``python -m tests.families docs/families.md`` rewrites the family table there.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ FAMILY_SETTINGS = {
     "qwen2_5_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]}},
     "gpt_oss": {"vocab_size": 201088},  # vLLM writes its chat prompts in harmony's token ids
 }
-END_MARK, BEGIN_MARK = "<!-- family table: end -->", "<!-- family table (python -m tests.families README.md) -->"
+END_MARK, BEGIN_MARK = "<!-- family table: end -->", "<!-- family table (python -m tests.families docs/families.md) -->"
 
 
 @dataclass(frozen=True)
@@ -280,7 +280,7 @@ def build_family_twin(family: Family, folder: Path) -> Path:
     return folder
 
 
-# ------------------------------------------------------------------- the README's table
+# ------------------------------------------------------------------- the family table (docs/families.md)
 
 
 def family_table(rows: list[dict]) -> str:
@@ -296,7 +296,7 @@ def replace_table(readme: str, table: str) -> str:
     before, begin, rest = readme.partition(BEGIN_MARK)
     _, end, after = rest.partition(END_MARK)
     if not begin or not end:
-        raise ValueError(f"the README has no {BEGIN_MARK} ... {END_MARK} block")
+        raise ValueError(f"the page has no {BEGIN_MARK} ... {END_MARK} block")
     return f"{before}{BEGIN_MARK}\n{table}\n{END_MARK}{after}"
 
 
@@ -311,7 +311,7 @@ WORKFLOW_RUNS = {
 
 
 class Gap(NamedTuple):
-    reason: str  # for the README's table
+    reason: str  # for the family table
     seen: str  # what the failing check says, which the matrix test looks for
 
 
@@ -370,7 +370,7 @@ def stage_decisions(family: Family, folder: Path | None) -> dict[str, list[str]]
 
 
 def family_rows(families, twins: dict[str, Path | str]) -> list[dict]:
-    """The README table's rows: the matrix's findings, one family each."""
+    """The family table's rows: the matrix's findings, one family each."""
     rows = []
     for family in families:
         twin = twins[family.architecture]

@@ -1,6 +1,6 @@
 """The owner of what each stage's work depends on (draftflow.dependencies): identities,
 keys, every schema key accounted for, the stage graph as Snakemake builds it, and the
-README's rebuild table as the module renders it."""
+rebuild table (docs/rebuilds.md) as the module renders it."""
 
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def test_every_rule_takes_its_depends_from_the_owner():
 
 
 def test_the_readme_rebuild_table_is_the_one_the_owner_renders():
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs/rebuilds.md").read_text()
     assert rebuild_table.render_rebuild_table() in readme and rebuild_table.render_no_effect_table() in readme
     for row in REBUILDS:
         file, test = row.test.split("::")

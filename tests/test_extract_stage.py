@@ -144,7 +144,7 @@ def test_a_killed_server_job_resumes_each_of_its_shards_from_its_journal(tmp_pat
 
 
 def progress_report(workdir, folder):
-    """The README's progress command, run in the run's working directory; its JSON."""
+    """docs/plan-and-progress.md's progress command, run in the run's working directory; its JSON."""
     command = [str(DRAFTFLOW), "progress", folder, "--json"]
     checked = subprocess.run(command, capture_output=True, text=True, cwd=workdir)
     assert checked.returncode == 0, checked.stderr

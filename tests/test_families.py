@@ -3,7 +3,7 @@ twin built from transformers' own classes (tests/families.py), or the reason non
 be built. Each twin resolves through draftflow.target_model, gets valid default layer
 ids and the decision vLLM itself gives for each stage, the transformers backend's
 states equal transformers' own ``output_hidden_states``, evaluation's greedy head
-picks transformers' own greedy tokens, and speculators builds its untrained drafter. The README's family table
+picks transformers' own greedy tokens, and speculators builds its untrained drafter. The family table (docs/families.md)
 is generated from these findings."""
 
 from __future__ import annotations
@@ -190,6 +190,6 @@ def test_the_support_decision_at_parse_time_is_vllms_own(twins, tmp_path, monkey
 
 
 def test_the_readme_family_table_is_the_matrix(twins):
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs/families.md").read_text()
     table = matrix.family_table(matrix.family_rows(matrix.vllm_families(), twins))
-    assert matrix.replace_table(readme, table) == readme, "run: python -m tests.families README.md"
+    assert matrix.replace_table(readme, table) == readme, "run: python -m tests.families docs/families.md"

@@ -1,4 +1,4 @@
-"""The README's refusals, shown refusing (issue 16): both quality gates fail the run, the
+"""docs/troubleshooting.md's refusals, shown refusing (issue 16): both quality gates fail the run, the
 disk check refuses, a parse-time refusal runs no job, provenance can fail."""
 
 import json

