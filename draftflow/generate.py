@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
 from draftflow.answer_checks import CUT, LIKELY_CAUSES, ONE_TOKEN, FlawedAnswers, answer_flaws, check_answers, flaw_stats
@@ -484,8 +485,11 @@ class PromptRoom:
     def fits(self, question: dict) -> bool:
         messages = with_system_prompt(question, self.settings.system_prompt)["messages"]
         first = messages[: next(i for i, message in enumerate(messages) if message["role"] == "user") + 1]
-        text = self.tokenizer.apply_chat_template(first, chat_template=self.template, add_generation_prompt=True,
-                                                  tokenize=False, **self.settings.chat_template_kwargs)  # fmt: skip
+        try:
+            text = self.tokenizer.apply_chat_template(first, chat_template=self.template, add_generation_prompt=True,
+                                                      tokenize=False, **self.settings.chat_template_kwargs)  # fmt: skip
+        except TemplateError:
+            return True  # the server's template refuses it too: an error the server names, counted as such
         # a token holds a byte of the text at least (a word-start marker aside): only a
         # prompt near the room in bytes is tokenized, as vLLM tokenizes a rendered chat
         if len(text.encode()) + 2 <= self.max_model_len:

@@ -104,7 +104,7 @@ def test_draftflow_help_lists_every_command(installed):
 @pytest.mark.parametrize(
     "command, usage",
     [
-        ("plan", "usage: draftflow plan [-h] --configfile CONFIGFILE"),
+        ("plan", "usage: draftflow plan [-h] --configfile FILE [FILE ...]"),
         ("gpus", "usage: draftflow gpus [-h] {run,list,count}"),
         ("progress", "usage: draftflow progress [-h]"),
     ],

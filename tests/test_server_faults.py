@@ -127,22 +127,29 @@ def test_a_server_that_never_serves_fails_the_generate_rule_and_leaves_no_proces
 
 
 def test_errors_from_a_live_server_count_against_the_budget_and_a_rerun_asks_only_them(tmp_path, demo_run):
-    """Prompts longer than vllm.max_model_len are refused by the server (HTTP 400): 2 of 20 fail.
-    Above the budget the rule fails keeping the answers; below it the rule passes naming them."""
+    """The server refuses 2 of 20 conversations (HTTP 400): its chat template, the demo's
+    behind a guard given with --chat-template, raises on them as a template raises on a
+    role it does not know. Above the budget the rule fails keeping the answers; below it
+    the rule passes naming them. (A prompt too long for vllm.max_model_len is no such
+    error: it is never sent, test_twin_workflows.py.)"""
     results = copy_demo_run(demo_run, tmp_path)
-    too_long = {"demo-long-a", "demo-long-b"}
+    refused = {"demo-refused-a", "demo-refused-b"}
     rows = [{"id": f"demo-short-{i:02d}", "messages": [{"role": "user", "content": f"Describe module number {i}."}]}
-            for i in range(18)] + [{"id": sample, "messages": [{"role": "user", "content": f"{sample} " * 3000}]}
-                                  for sample in sorted(too_long)]  # fmt: skip
+            for i in range(18)] + [{"id": sample, "messages": [{"role": "user", "content": f"REFUSE {sample}"}]}
+                                  for sample in sorted(refused)]  # fmt: skip
     prompts = tmp_path / "resources/budget-prompts.jsonl"
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    demo_template = json.loads((tmp_path / "resources/demo-target/tokenizer_config.json").read_text())["chat_template"]
+    template = tmp_path / "resources/refusing.jinja"
+    template.write_text("{%- for m in messages %}{% if 'REFUSE' in m['content'] %}{{ raise_exception('refused by the "
+                        "test template') }}{% endif %}{% endfor -%}" + demo_template)  # fmt: skip
     target = "results/demo/synthetic/stats.json"
 
     def generate(max_error_fraction: float) -> subprocess.CompletedProcess:
         config = demo_config(False, data={"prompt_files": [str(prompts.relative_to(tmp_path))], "num_samples": 20},
                              # the demo target gives these out-of-domain prompts one answer: flawed, and not this test's point
                              generate={"max_error_fraction": max_error_fraction, "max_retries": 1, "max_degenerate_fraction": 1.0},
-                             vllm={"port": free_port("127.0.0.1")})  # fmt: skip
+                             vllm={"port": free_port("127.0.0.1"), "extra_args": ["--chat-template", str(template)]})  # fmt: skip
         return snakemake(tmp_path, config, target, check=False)
 
     assert generate(0.05).returncode != 0
@@ -150,13 +157,13 @@ def test_errors_from_a_live_server_count_against_the_budget_and_a_rerun_asks_onl
     partial = partial_generation(results)
     assert "2 of 20 conversations failed (more than generate.max_error_fraction=0.05)" in log
     assert f"their errors are in {partial.with_name(partial.stem + '.errors.jsonl').relative_to(tmp_path)}" in log
-    assert {row["primary_id"] for row in iter_jsonl(partial)} == {conversation_key(row) for row in rows if row["id"] not in too_long}
+    assert {row["primary_id"] for row in iter_jsonl(partial)} == {conversation_key(row) for row in rows if row["id"] not in refused}
     assert not (results / "synthetic/generated.jsonl").exists()
 
     assert generate(0.1).returncode == 0
     log = (tmp_path / "logs/demo/generate_server-0.log").read_text()
     assert re.findall(r"Pipeline complete in [\d.]+s: (\d+) conversations \((\d+) ok", log) == [("2", "0")]
-    assert {row["id"] for row in iter_jsonl(results / "synthetic/errors.jsonl")} == too_long
-    assert all("maximum context length" in row["metadata"]["error"] for row in iter_jsonl(results / "synthetic/errors.jsonl"))
+    assert {row["id"] for row in iter_jsonl(results / "synthetic/errors.jsonl")} == refused
+    assert all("refused by the test template" in row["metadata"]["error"] for row in iter_jsonl(results / "synthetic/errors.jsonl"))
     assert len(list(iter_jsonl(results / "synthetic/generated.jsonl"))) == 18
     assert json.loads((results / "synthetic/stats.json").read_text())["errors"] == 2
