@@ -3,7 +3,8 @@ and the drafter's model card show the same ones.
 
 They read ``evaluation.json``'s ``sets`` (offline: every position and the decoding
 replay) and ``served.json``'s ``sets`` (vLLM's counters), both keyed set → ``draft_tokens``
-→ K, with ``categories`` → category → ``draft_tokens`` → K.
+→ K, with ``categories`` → category → ``draft_tokens`` → K; and both files'
+``temperatures`` (the held-out slice at K = ``evaluate.draft_tokens``), keyed by temperature.
 """
 
 from __future__ import annotations
@@ -51,6 +52,32 @@ def sets_table(evaluation: dict, served: dict | None) -> list[str]:
         lines.append(f"| {row['set']} | {row['samples']} | {row['k']} | {number(row['served'])} | "
                      f"{number(row['decoding_replay'])} | {number(row['every_position'])} | {through} |")  # fmt: skip
     return lines
+
+
+def temperature_table(evaluation: dict, served: dict | None) -> list[str]:
+    """Markdown: the held-out slice's τ at each temperature, served and offline, and whether
+    serve_check held the served figure to the replay there."""
+    lines = ["| temperature | τ served (vLLM) | drafts served | τ offline, decoding replay | τ offline, every position | "
+             "served held to the replay |", "|" + " --- |" * 6]  # fmt: skip
+    for key, offline in evaluation["temperatures"].items():
+        by_vllm = (served or {}).get("temperatures", {}).get(key) or {}
+        replay = offline["decoding_replay"]
+        if "drafts" in by_vllm:
+            held = ("yes" if key == "0" else "yes, within the noise of two draws") if replay else "no"
+            cells = f"{by_vllm['mean_acceptance_length']:.3f} | {by_vllm['drafts']:.0f}"
+        else:
+            held, cells = "not served" + (f": {by_vllm['not_served']}" if by_vllm else ""), "n/a | n/a"
+        lines.append(f"| {key} | {cells} | {number(replay['mean_acceptance_length'] if replay else None)} | "
+                     f"{offline['mean_acceptance_length']:.3f} | {held} |")  # fmt: skip
+    return lines
+
+
+TEMPERATURE_NOTE = (
+    "vLLM drafts greedily and accepts a draft with the target's probability of it at the served temperature "
+    "(after top_k and top_p). Offline every position: that chance, followed along the answers (a lower bound "
+    "where drafts leave them). The decoding replay predicts serving at temperature 0 and at the temperature the "
+    "answers were sampled at (generate.temperature), where each answer is one draw of it; elsewhere none."
+)
 
 
 def category_tables(evaluation: dict, served: dict | None) -> list[str]:

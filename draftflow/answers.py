@@ -21,6 +21,7 @@ from pathlib import Path
 
 from draftflow.fingerprint import target_fingerprint
 from draftflow.prompts import content_hash
+from draftflow.sampling import set_fields
 from draftflow.server_flags import keyed_server_flags
 
 
@@ -81,8 +82,8 @@ def generation_key(target: Path, server_args: list[str], settings: dict) -> str:
     finds its answers."""
     shaping = [target_fingerprint(target), keyed_server_flags(server_args), settings["max_tokens"],
                settings["temperature"], settings["seed"]]  # fmt: skip
-    sampling = {name: value for name, value in (settings.get("sampling") or {}).items() if value is not None}
-    asked_with = {name: value for name, value in ({**settings, "sampling": sampling}).items() if name in ASKED_WITH and value}
+    asked = {**settings, "sampling": set_fields(settings.get("sampling"))}
+    asked_with = {name: value for name, value in asked.items() if name in ASKED_WITH and value}
     if asked_with:  # absent where unset: the answers of runs before these settings keep their key
         shaping.append(asked_with)
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]

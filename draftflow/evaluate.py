@@ -60,7 +60,7 @@ def target_tensors(target: TargetModel, names: list[str]) -> dict[str, torch.Ten
 
 
 class TargetHead:
-    """The target's final norm and lm_head: greedy tokens from final-layer states."""
+    """The target's final norm and lm_head: its logits from final-layer states."""
 
     def __init__(self, target: Path):
         model = read_target_model(target)
@@ -70,8 +70,11 @@ class TargetHead:
         self.lm_head = weights[head.lm_head]
 
     @torch.inference_mode()
+    def logits(self, final_states: torch.Tensor) -> torch.Tensor:
+        return self.norm(final_states.float()) @ self.lm_head.T
+
     def greedy(self, final_states: torch.Tensor) -> torch.Tensor:
-        return (self.norm(final_states.float()) @ self.lm_head.T).argmax(-1)
+        return self.logits(final_states).argmax(-1)
 
 
 @torch.inference_mode()
@@ -89,26 +92,68 @@ def draft_chains(drafter, token_ids: torch.Tensor, aux_states: torch.Tensor, ste
     return draft + drafter.d2t[draft]
 
 
-def chain_length(token_ids: torch.Tensor, greedy: torch.Tensor, drafts: torch.Tensor, start: int) -> int:
-    """Drafts accepted (0..K) of the chain at ``start``, whose verified token is x[start+1]: each
-    while the earlier ones were accepted and the data still follows the target's greedy path.
-    A draft past the sample's last greedy token cannot be checked, and counts as rejected."""
-    accepted = 0
-    for k in range(min(drafts.shape[0], token_ids.numel() - 1 - start)):
-        on_target_path = k == 0 or token_ids[start + 1 + k] == greedy[start + k]
-        if not (on_target_path and drafts[k, start] == greedy[start + 1 + k]):
-            break
-        accepted += 1
-    return accepted
+GREEDY = {"temperature": 0}
 
 
-def accepted_lengths(
-    token_ids: torch.Tensor, loss_mask: torch.Tensor, greedy: torch.Tensor, drafts: torch.Tensor
-) -> torch.Tensor:
-    """Accepted chain length (0..K) for each start j whose verified token x[j+1] is the assistant's."""
-    steps, total = drafts.shape[0], token_ids.numel()
-    starts = [j for j in range(total - steps - 1) if loss_mask[j + 1]]
-    return torch.tensor([chain_length(token_ids, greedy, drafts, j) for j in starts], dtype=torch.long)
+def verifying_positions(drafts: torch.Tensor) -> torch.Tensor:
+    """[K, starts]: the position whose target logits verify each draft (row k at j: j+1+k)."""
+    steps, starts = drafts.shape
+    return torch.arange(starts)[None, :] + 1 + torch.arange(steps)[:, None]
+
+
+def on_data(token_ids: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """Whether each draft is the data's token at the position it proposes (False past the data)."""
+    proposed = verifying_positions(drafts) + 1
+    inside = proposed < token_ids.numel()
+    return inside & (drafts == token_ids[proposed.clamp(max=token_ids.numel() - 1)])
+
+
+def target_probabilities(logits: torch.Tensor, sampling: dict) -> torch.Tensor:
+    """The target's distribution at ``sampling``'s temperature (> 0), cut to its top_k and
+    top_p as vLLM's rejection sampler cuts it (with vLLM's own function). Penalties and min_p,
+    which that sampler leaves out or applies from the generated text, are not modelled."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p  # here: only at T > 0
+
+    rows = logits.shape[0]
+    top_k, top_p = sampling.get("top_k"), sampling.get("top_p")
+    cut_k = torch.full((rows,), top_k, dtype=torch.long) if top_k and top_k > 0 else None
+    cut_p = torch.full((rows,), float(top_p)) if top_p is not None and top_p < 1 else None
+    return apply_top_k_top_p(logits / sampling["temperature"], cut_k, cut_p).softmax(-1)
+
+
+def acceptance_probability(logits: torch.Tensor, drafts: torch.Tensor, sampling: dict) -> torch.Tensor:
+    """[K, starts]: the chance vLLM accepts each draft given the data before it. vLLM's drafts
+    are greedy (one-hot), so its rejection sampling accepts one with the target's probability
+    of it: at temperature 0, whether it is the target's greedy token. 0 past the data."""
+    positions = verifying_positions(drafts)
+    inside = positions < logits.shape[0]
+    positions = positions.clamp(max=logits.shape[0] - 1)
+    if sampling["temperature"] == 0:
+        accepted = (drafts == logits.argmax(-1)[positions]).float()
+    else:
+        accepted = target_probabilities(logits, sampling)[positions, drafts.clamp(min=0)] * (drafts >= 0)
+    return accepted * inside
+
+
+def chain_reach(acceptance: torch.Tensor, drafts_on_data: torch.Tensor) -> torch.Tensor:
+    """[K, starts]: the chance the chain at each start has its first k + 1 drafts accepted.
+    The target's state after an accepted draft exists only where that draft is the data's
+    token, so a chain is followed past a draft only there: exact at temperature 0 while the
+    data follows the target's greedy path, a lower bound at T > 0."""
+    follows = torch.cat([torch.ones_like(acceptance[:1]), drafts_on_data[:-1].float()]).cumprod(0)
+    return acceptance.cumprod(0) * follows
+
+
+def sampled_reach(drafts_on_data: torch.Tensor) -> torch.Tensor:
+    """Chains accepted as decoding at the temperature the answers were sampled at accepts them
+    along the data: a greedy draft is accepted exactly when it is the token sampled (vLLM's
+    recovered token never repeats a rejected draft), so each answer is one draw of serving."""
+    return drafts_on_data.float().cumprod(0)
+
+
+def assistant_starts(loss_mask: list[int], steps: int) -> list[int]:
+    """Starts j of full chains whose verified token x[j+1] is the assistant's."""
+    return [j for j in range(len(loss_mask) - steps - 1) if loss_mask[j + 1]]
 
 
 def answer_start(loss_mask: list[int]) -> int:
@@ -117,38 +162,44 @@ def answer_start(loss_mask: list[int]) -> int:
     return loss_mask.index(1)
 
 
-def replayed_lengths(
-    token_ids: torch.Tensor, loss_mask: list[int], greedy: torch.Tensor, drafts: torch.Tensor, max_tokens: int
-) -> torch.Tensor:
-    """Accepted chain length of each step greedy decoding takes through the sample's first
-    answer, as vLLM serves the prompt before it: the prefill gives the answer's first token,
-    then each step drafts from the last token, accepts a and emits a + 1 tokens, until
-    ``max_tokens`` are generated or the answer's last token (its end of turn) is."""
+def replayed_lengths(chain_lengths: torch.Tensor, loss_mask: list[int], max_tokens: int) -> torch.Tensor:
+    """Accepted chain length of each step decoding takes through the sample's first answer, as
+    vLLM serves the prompt before it (``chain_lengths``: accepted drafts of the chain at each
+    start): the prefill gives the answer's first token, then each step drafts from the last
+    token, accepts a and emits a + 1 tokens, until ``max_tokens`` are generated or the
+    answer's last token (its end of turn) is."""
     first = answer_start(loss_mask)
     answer_end = first + 1
     while answer_end < len(loss_mask) and loss_mask[answer_end]:
         answer_end += 1
     last, generated, lengths = first, 1, []
     while generated < max_tokens and last < answer_end - 1:
-        accepted = chain_length(token_ids, greedy, drafts, last - 1)
+        accepted = int(chain_lengths[last - 1])
         lengths.append(accepted)
         generated += accepted + 1
         last += accepted + 1
     return torch.tensor(lengths, dtype=torch.long)
 
 
-def summarize(lengths: torch.Tensor, steps: int) -> dict:
-    at_least = [float((lengths >= k).float().mean()) for k in range(1, steps + 1)]
+def reach_of(lengths: torch.Tensor, steps: int) -> torch.Tensor:
+    """[K, n]: whether each chain of ``lengths`` accepted at least k + 1 drafts."""
+    return (lengths[None, :] >= torch.arange(1, steps + 1)[:, None]).float()
+
+
+def summarize(reach: torch.Tensor) -> dict:
+    """Acceptance of chains by their reach ([K, n]: the chance each accepts its first k + 1)."""
+    at_least = reach.mean(1).tolist()
     conditional = [at_least[0]] + [
-        at_least[k] / at_least[k - 1] if at_least[k - 1] else 0.0 for k in range(1, steps)
+        at_least[k] / at_least[k - 1] if at_least[k - 1] else 0.0 for k in range(1, len(at_least))
     ]
+    accepted = float(reach.sum(0).mean())
     return {
-        "positions": int(lengths.numel()),
+        "positions": int(reach.shape[1]),
         "acceptance_per_position": at_least,
         "conditional_acceptance_per_position": conditional,
-        "mean_accepted_drafts": float(lengths.float().mean()),
+        "mean_accepted_drafts": accepted,
         # vLLM's convention: the target's own token plus the accepted drafts.
-        "mean_acceptance_length": 1.0 + float(lengths.float().mean()),
+        "mean_acceptance_length": 1.0 + accepted,
     }
 
 
@@ -161,50 +212,71 @@ class EvaluationSample:
 
 
 class Acceptance:
-    """Accepted chain lengths, per K, gathered over samples: at every start, and along the
-    decoding replay of the samples that are served."""
+    """Chains gathered over samples, per K: their reach at every start, and the accepted
+    lengths along the decoding replay of the samples that are served (where it predicts
+    serving: ``replays``)."""
 
-    def __init__(self, sweep: list[int]):
+    def __init__(self, sweep: list[int], replays: bool = True):
         self.every_position = {k: [] for k in sweep}
         self.replayed = {k: [] for k in sweep}
+        self.replays = replays
         self.samples = 0
 
     def summary(self, max_tokens: int) -> dict:
         """Per K (as a string key, JSON's): the every-position summary and the decoding replay's."""
         by_k = {}
-        for k, lengths in self.every_position.items():
-            replay = torch.cat(self.replayed[k]) if self.replayed[k] else torch.zeros(0, dtype=torch.long)
-            by_k[str(k)] = {
-                **summarize(torch.cat(lengths), k),
-                "decoding_replay": {"requests": len(self.replayed[k]), "max_tokens": max_tokens,
-                                    "drafts": int(replay.numel()), "accepted_tokens": int(replay.sum()),
-                                    **summarize(replay, k)},
-            }  # fmt: skip
+        for k, reaches in self.every_position.items():
+            replay = replay_summary(self.replayed[k], k, max_tokens) if self.replays else None
+            by_k[str(k)] = {**summarize(torch.cat(reaches, dim=1)), "decoding_replay": replay}
         return {"samples": self.samples, "draft_tokens": by_k}
+
+
+def replay_summary(requests: list[torch.Tensor], steps: int, max_tokens: int) -> dict:
+    """The decoding replay's drafts and accepted tokens over ``requests`` (each its steps'
+    accepted lengths), as vLLM's counters count them."""
+    replay = torch.cat(requests) if requests else torch.zeros(0, dtype=torch.long)
+    spread = float(replay.float().std()) if replay.numel() > 1 else 0.0
+    return {"requests": len(requests), "max_tokens": max_tokens, "drafts": int(replay.numel()),
+            "accepted_tokens": int(replay.sum()), "accepted_drafts_std": spread, **summarize(reach_of(replay, steps))}  # fmt: skip
+
+
+def predicts_serving(sampling: dict, sampled_at: float | None) -> bool:
+    """Whether the decoding replay predicts serving at ``sampling``'s temperature: at 0, and at
+    the temperature the answers were sampled at (``sampled_at``), where each is one draw of it."""
+    return sampling["temperature"] in (0, sampled_at)
+
+
+def replay_reach(reach: torch.Tensor, drafts_on_data: torch.Tensor, sampling: dict) -> torch.Tensor:
+    """The chains the decoding replay accepts: at temperature 0 the greedy ones, else the data's draw."""
+    return reach if sampling["temperature"] == 0 else sampled_reach(drafts_on_data)
 
 
 def measure(
     drafter, head: TargetHead, view_dir: Path, samples: list[EvaluationSample], sweep: list[int],
-    served_requests: int, max_tokens: int,
+    served_requests: int, max_tokens: int, sampling: dict = GREEDY, sampled_at: float | None = None,
 ) -> dict[str, Acceptance]:
-    """Acceptance of ``drafter`` on ``samples`` at each K of ``sweep``, overall ("") and per
-    category; the decoding replay walks the first ``served_requests`` samples, those serve_check
-    serves, to the served ``max_tokens``. One drafting pass at the largest K serves every K: a
-    chain's first k drafts are the chain drafted at k."""
+    """Acceptance of ``drafter`` on ``samples`` at each K of ``sweep`` served at ``sampling``,
+    overall ("") and per category; the decoding replay walks the first ``served_requests``
+    samples, those serve_check serves, to the served ``max_tokens``. One drafting pass at the
+    largest K serves every K: a chain's first k drafts are the chain drafted at k."""
     drafter.eval()
-    groups: dict[str, Acceptance] = {"": Acceptance(sweep)}
+    replays = predicts_serving(sampling, sampled_at)
+    groups: dict[str, Acceptance] = {"": Acceptance(sweep, replays)}
     for index, sample in enumerate(samples):
         states = read_hidden_states(view_dir / "hidden_states" / view_file_name(sample.row))
         ids = torch.tensor(sample.token_ids)
-        greedy = head.greedy(states[:, -1])
         drafts = draft_chains(drafter, ids, states[:, :-1], max(sweep))
+        drafts_on_data = on_data(ids, drafts)
+        reach = chain_reach(acceptance_probability(head.logits(states[:, -1]), drafts, sampling), drafts_on_data)
+        replayed = replay_reach(reach, drafts_on_data, sampling) if replays else None
         for group in {"", sample.category}:
-            acceptance = groups.setdefault(group, Acceptance(sweep))
+            acceptance = groups.setdefault(group, Acceptance(sweep, replays))
             acceptance.samples += 1
             for k in sweep:
-                acceptance.every_position[k].append(accepted_lengths(ids, torch.tensor(sample.loss_mask), greedy, drafts[:k]))
-                if index < served_requests:
-                    acceptance.replayed[k].append(replayed_lengths(ids, sample.loss_mask, greedy, drafts[:k], max_tokens))
+                acceptance.every_position[k].append(reach[:k, assistant_starts(sample.loss_mask, k)])
+                if replayed is not None and index < served_requests:
+                    lengths = replayed[:k].sum(0).round().long()
+                    acceptance.replayed[k].append(replayed_lengths(lengths, sample.loss_mask, max_tokens))
     return groups
 
 
@@ -231,11 +303,13 @@ def evaluate(
     samples: list[EvaluationSample],
     steps: int,
     served: dict,
+    sampling: dict = GREEDY,
+    sampled_at: float | None = None,
 ) -> dict:
-    """The gate's measure: acceptance at K = ``steps`` on the held-out ``samples``, every
-    position and along the decoding replay of the first ``served["requests"]``, those
-    serve_check serves up to ``served["max_tokens"]``."""
-    groups = measure(drafter, head, view_dir, samples, [steps], served["requests"], served["max_tokens"])
+    """The gate's measure: acceptance at K = ``steps`` on the held-out ``samples`` served at
+    ``sampling``, every position and along the decoding replay of the first
+    ``served["requests"]``, those serve_check serves up to ``served["max_tokens"]``."""
+    groups = measure(drafter, head, view_dir, samples, [steps], served["requests"], served["max_tokens"], sampling, sampled_at)
     return groups[""].summary(served["max_tokens"])["draft_tokens"][str(steps)]
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from draftflow.acceptance_tables import category_tables, sets_table
+from draftflow.acceptance_tables import TEMPERATURE_NOTE, category_tables, sets_table, temperature_table
 from draftflow.io import atomic_path
 from draftflow.sampling import sampling_text
 
@@ -104,6 +104,8 @@ def card_text(inputs: dict, settings: dict, files: dict[str, str]) -> str:
         "per step) at temperature 0, each answer decoded up to "
         f"{generation['max_tokens']} tokens.", "",
         *category_tables(evaluation, served),
+        f"By temperature (held-out prompts, K={evaluation['draft_tokens']}):", "",
+        *temperature_table(evaluation, served), "", TEMPERATURE_NOTE, "",
         "## How it was made", "",
         f"- data: {inputs['prompts']['sampled']:,} training conversations mixed from the sources below; the "
         "evaluation sets are never trained on (the prompts stage refuses an overlap)", "",

@@ -6,7 +6,7 @@ import csv
 from pathlib import Path
 
 from draftflow import run_folder
-from draftflow.acceptance_tables import category_tables, plot_sets, sets_table
+from draftflow.acceptance_tables import TEMPERATURE_NOTE, category_tables, plot_sets, sets_table, temperature_table
 from draftflow.extract import layout
 from draftflow.io import atomic_path, read_json, write_text
 from draftflow.plots import pyplot, save_png
@@ -194,6 +194,7 @@ def markdown(run: str, rows: list[dict], stats: dict, compared: dict[str, dict])
     ]  # fmt: skip
     if served:
         lines += ["![offline and served](../evaluation/served_acceptance.png)", ""]
+    lines += ["## Acceptance by temperature (held-out samples)", "", *temperature_table(evaluation, served), "", TEMPERATURE_NOTE, ""]
     lines += ["## Acceptance by evaluation set", "", *sets_table(evaluation, served), "",
               "samples: answered turns (a two-turn question gives two). τ: mean acceptance length (1 + accepted "
               "drafts per step), at temperature 0, each answer decoded up to generate.max_tokens.", "", *category_tables(evaluation, served),

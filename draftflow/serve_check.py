@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
-from draftflow.evaluate import answer_start
+from draftflow.evaluate import GREEDY, answer_start
 from draftflow.io import read_json
 from draftflow.plots import pyplot, save_png
 from draftflow.prompt_sources import HELDOUT
@@ -44,8 +44,8 @@ def spec_decode_counters(base_url: str) -> dict[str, float]:
     return counters
 
 
-def complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int) -> int:
-    body = json.dumps({"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0}).encode()
+def complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int, sampling: dict) -> int:
+    body = json.dumps({"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, **sampling}).encode()
     request = urllib.request.Request(f"{base_url}/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=600) as reply:
         return json.loads(reply.read())["usage"]["completion_tokens"]
@@ -67,15 +67,16 @@ def served_acceptance(counters: dict[str, float], draft_tokens: int) -> dict:
     }
 
 
-def served_groups(url: str, target: str, groups: dict[str, dict[str, list]], max_tokens: int) -> dict:
-    """Each (set, category) group's prompts sent together, and what they moved vLLM's counters
-    by (the counters sum over the server's life): set → category → counters, requests, tokens."""
+def served_groups(url: str, target: str, groups: dict[str, dict[str, list]], max_tokens: int, sampling: dict = GREEDY) -> dict:
+    """Each (set, category) group's prompts sent together (sampled with ``sampling``'s request
+    fields), and what they moved vLLM's counters by (the counters sum over the server's
+    life): set → category → counters, requests, tokens."""
     moved: dict[str, dict[str, dict]] = {}
     with ThreadPoolExecutor(8) as pool:
         for name, categories in groups.items():
             for category, prompts in categories.items():
                 before = spec_decode_counters(url)
-                generated = sum(pool.map(lambda ids: complete(url, target, ids, max_tokens), prompts))
+                generated = sum(pool.map(lambda ids: complete(url, target, ids, max_tokens, sampling), prompts))
                 after = spec_decode_counters(url)
                 counters = {key: value - before.get(key, 0.0) for key, value in after.items()}
                 moved.setdefault(name, {})[category] = {"counters": counters, "requests": len(prompts), "generated_tokens": generated}
@@ -113,12 +114,15 @@ def serve_check(
     max_tokens: int,
     server: dict,
     log_path: Path,
+    temperatures: dict[str, dict] | None = None,
 ) -> dict:
     """vLLM's acceptance counters for the drafter served beside the target, one server per K of
     ``sweep``, on each group of prompts (``groups``: set → category → prompt token ids; the
-    held-out slice's, HELDOUT, gives the gate's numbers at ``draft_tokens``). Fails before a
-    server starts when vLLM would read the drafter's files otherwise than training built them
-    (``trained``: its initial folder), and before any request when vLLM took other aux layers."""
+    held-out slice's, HELDOUT, gives the gate's numbers at ``draft_tokens``), greedily; the
+    held-out prompts at K = ``draft_tokens`` also sampled with each of ``temperatures``' request
+    fields (key: the temperature). Fails before a server starts when vLLM would read the
+    drafter's files otherwise than training built them (``trained``: its initial folder), and
+    before any request when vLLM took other aux layers."""
     model = read_target_model(target)
     decide({}, file_problems(drafter, trained, model.vocab_size))
     by_k = {}
@@ -130,13 +134,19 @@ def serve_check(
             if problem := layer_problem(aux_layers, trained, drafter):
                 decide({"aux_layers": aux_layers}, [problem])  # before a request: vLLM may crash on them
             by_k[k] = served_groups(url, target, groups, max_tokens)
+            if k == draft_tokens:
+                sampled = {key: served_groups(url, target, {HELDOUT: {"": [p for ps in groups[HELDOUT].values() for p in ps]}},
+                                              max_tokens, sampling)[HELDOUT][""]
+                           for key, sampling in (temperatures or {}).items()}  # fmt: skip
     sets = {
         name: {"draft_tokens": {str(k): group_acceptance(list(by_k[k][name].values()), k) for k in sweep},
                "categories": {category: {"draft_tokens": {str(k): group_acceptance([by_k[k][name][category]], k) for k in sweep}}
                               for category in categories if category}}
         for name, categories in groups.items()
     }  # fmt: skip
-    return {"aux_layers": aux_layers, **sets[HELDOUT]["draft_tokens"][str(draft_tokens)], "sets": sets}
+    heldout = sets[HELDOUT]["draft_tokens"][str(draft_tokens)]
+    by_temperature = {"0": heldout} | {key: group_acceptance([part], draft_tokens) for key, part in sampled.items()}
+    return {"aux_layers": aux_layers, **heldout, "sets": sets, "temperatures": by_temperature}
 
 
 # vLLM's GPU model runner logs this when the drafter's config names its aux layers; without
@@ -195,18 +205,29 @@ def file_problems(drafter: Path, trained: Path, target_vocab_size: int) -> list[
     return problems
 
 
-def shortfall_problem(predicted: dict, served: dict, max_shortfall: float) -> str | None:
+def sampling_noise(predicted: dict, served: dict) -> float:
+    """Three standard errors of the difference between two draws of drafts accepted per step:
+    the replay's (its spread, over its drafts) and serving's (over the drafts vLLM counted)."""
+    drafts = (predicted["drafts"], served["drafts"])
+    return 3 * predicted["accepted_drafts_std"] * sum(1 / n for n in drafts) ** 0.5 if all(drafts) else 0.0
+
+
+def shortfall_problem(predicted: dict, served: dict, max_shortfall: float, temperature: float = 0) -> str | None:
     """Drafts vLLM accepted per step (mean acceptance length - 1) below the decoding replay's
-    prediction for the same prompts by more than ``max_shortfall`` of that prediction."""
+    prediction for the same prompts by more than ``max_shortfall`` of that prediction; at
+    ``temperature`` > 0, where both are draws, by more than that and ``sampling_noise``."""
     expected = predicted["mean_acceptance_length"] - 1
     accepted = served["mean_acceptance_length"] - 1
-    if expected <= 0 or (shortfall := 1 - accepted / expected) <= max_shortfall:
+    noise = sampling_noise(predicted, served) if temperature > 0 else 0.0
+    if expected <= 0 or accepted >= (1 - max_shortfall) * expected - noise:
         return None
+    shortfall = 1 - accepted / expected
     per_position = ", ".join(f"{k}: {p:.3f} predicted, {s:.3f} served" for k, (p, s) in
                              enumerate(zip(predicted["acceptance_per_position"], served["acceptance_per_position"]), 1))  # fmt: skip
-    return (f"vLLM accepted {accepted:.3f} drafts per step (mean acceptance length {served['mean_acceptance_length']:.3f}) "
-            f"against {expected:.3f} predicted by replaying decoding offline on the same prompts, "
-            f"{100 * shortfall:.0f}% short, more than evaluate.max_served_shortfall {max_shortfall} "
+    return (f"at temperature {temperature:g} vLLM accepted {accepted:.3f} drafts per step (mean acceptance length "
+            f"{served['mean_acceptance_length']:.3f}) against {expected:.3f} predicted by replaying decoding offline on the same "
+            f"prompts, {100 * shortfall:.0f}% short, more than evaluate.max_served_shortfall {max_shortfall}"
+            + (f" and three standard errors of two draws ({noise:.3f} drafts per step)" if noise else "") + " "
             f"(accepted through position {per_position})")  # fmt: skip
 
 

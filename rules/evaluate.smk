@@ -5,6 +5,7 @@ rule evaluate:
         heldout=rules.train_views.output.heldout,
         evaluation=rules.train_views.output.evaluation,
         plan=rules.extract_plan.output.plan,
+        generation=rules.generate.output.stats,
         target=TARGET,
     output:
         evaluation=result("evaluation/evaluation.json"),
@@ -24,6 +25,7 @@ rule evaluate:
         code=code_version("evaluate"),
         draft_tokens=config["evaluate"]["draft_tokens"],
         sweep=DRAFT_TOKEN_SWEEP,
+        temperatures=config["evaluate"]["temperatures"],
         min_acceptance_length=config["evaluate"]["min_acceptance_length"],
         attention=config["train"]["attention"],
         # what serve_check serves, for the decoding replay that predicts its counters
@@ -42,6 +44,7 @@ rule serve_check:
         evaluation=rules.evaluate.output.evaluation,
         heldout=rules.train_views.output.heldout,
         evaluation_sets=rules.train_views.output.evaluation,
+        generation=rules.generate.output.stats,
         target=TARGET,
     output:
         served=result("evaluation/served.json"),
@@ -64,9 +67,11 @@ rule serve_check:
         code=code_version("serve_check"),
         draft_tokens=config["evaluate"]["draft_tokens"],
         sweep=DRAFT_TOKEN_SWEEP,
+        temperatures=config["evaluate"]["temperatures"],
         max_tokens=config["generate"]["max_tokens"],
         max_requests=config["evaluate"]["serve_check_requests"],
         max_served_shortfall=config["evaluate"]["max_served_shortfall"],
+        device=config["device"],
         server=vllm_server_params(TARGET_SERVER_FLAGS),
     script:
         "../scripts/serve_check.py"

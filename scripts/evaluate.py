@@ -16,6 +16,7 @@ from draftflow.evaluate import (
 from draftflow.io import read_json, write_json
 from draftflow.prompt_sources import HELDOUT
 from draftflow.rule_log import logged
+from draftflow.sampling import at_temperature, temperature_key
 from draftflow.train import load_drafter
 from draftflow.training_data import check_view
 
@@ -50,6 +51,15 @@ with logged(snakemake.log[0]):
     results["untrained"] = evaluate(drafters["untrained"], head, views[HELDOUT], heldout, params.draft_tokens, params.served)
     for name in ("trained", "untrained"):
         print(name, results[name])
+    # the trained drafter on the held-out slice at each temperature it may be served at
+    generation = read_json(snakemake.input.generation)["sampling"]
+    results["temperatures"] = {
+        temperature_key(t): {"sampling": at_temperature(generation, t)["effective"],
+                             **(results["trained"] if t == 0 else
+                                evaluate(drafters["trained"], head, views[HELDOUT], heldout, params.draft_tokens, params.served,
+                                         at_temperature(generation, t)["effective"], generation["effective"]["temperature"]))}
+        for t in sorted({0, *params.temperatures})
+    }  # fmt: skip
     results["gate"] = gate(results, params.min_acceptance_length)
     write_json(snakemake.output.evaluation, results)
     plot_acceptance(results, Path(snakemake.output.plot))

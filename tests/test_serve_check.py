@@ -84,3 +84,15 @@ def test_the_decision_names_every_problem_with_the_measured_numbers():
     decide({"drafts": 10}, [])
     with pytest.raises(ServeCheckFailed, match=r"(?s)- first.*- second.*Measured: \{\"drafts\": 10\}"):
         decide({"drafts": 10}, ["first", "second"])
+
+
+def test_at_a_temperature_the_bound_widens_by_the_noise_of_two_draws():
+    predicted = {**PREDICTED, "drafts": 400, "accepted_drafts_std": 1.2}
+    # 36% short of 1.40 drafts per step: a failure at temperature 0
+    served = {"mean_acceptance_length": 1.9, "acceptance_per_position": [0.45, 0.25, 0.2], "drafts": 100}
+    assert "at temperature 0 vLLM accepted 0.900" in shortfall_problem(predicted, served, 0.25)
+    # at 0.7 three standard errors of the two draws: 3 * 1.2 * sqrt(1/400 + 1/100) = 0.402
+    assert shortfall_problem(predicted, served, 0.25, temperature=0.7) is None
+    # the more drafts served and replayed, the narrower: 40,000 and 10,000 give 0.040
+    many = shortfall_problem({**predicted, "drafts": 40000}, {**served, "drafts": 10000}, 0.25, temperature=0.7)
+    assert "at temperature 0.7 vLLM accepted 0.900" in many and "three standard errors of two draws (0.040" in many

