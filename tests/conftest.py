@@ -110,7 +110,7 @@ def workflow_copy(folder: Path) -> Path:
 DEMO_MODULES = {
     "test_data_stages", "test_extract_stage", "test_faults", "test_gates", "test_multi_turn", "test_plan",
     "test_rebuilds", "test_resume_reproducibility", "test_server_faults", "test_train_evaluate_report", "test_storage_fp8",
-    "test_slurm",
+    "test_slurm", "test_docs_commands",
 }  # fmt: skip
 # Work that waits on the network, not on the cores: started in a process of its own as soon
 # as the collection holds the module that reads it, which runs last, so that the workers run
