@@ -1,17 +1,21 @@
 """Stage 7: how often the drafter's tokens would be accepted, from held-out hidden states.
 
 For every start position in an assistant turn the drafter proposes K tokens as
-a chain (greedy), and each is checked against the target's greedy token, the
-argmax of the target's own norm and lm_head over the final-layer state. A
-proposal counts only while every earlier one was accepted, as at serving time.
+a chain (greedy, as vLLM drafts), and each is weighed as vLLM's rejection sampling
+weighs it, from the target's own norm and lm_head over the final-layer state: at
+temperature 0 accepted when it is the target's greedy token, at T > 0 with the
+target's probability of it. A proposal counts only while every earlier one was
+accepted, as at serving time, and only while the data holds the target's state
+after it (the earlier drafts are the answer's tokens).
 
 Two averages come from those chains. The every-position one (the training metric)
 scores a chain at each start. Decoding drafts only where it stands and jumps a + 1
 after a accepted tokens, so it visits the stretches a drafter finds easy about once
 a chain and the hard ones at every step: the decoding replay walks each answer so,
 from the prompt's end to the served ``max_tokens``, and predicts what vLLM's own
-counters will say when it serves the drafter on the same prompts (at temperature 0,
-exactly but for near ties).
+counters will say when it serves the drafter on the same prompts: at temperature 0
+exactly but for near ties where the answers follow the target's greedy path, and at the
+temperature they were sampled at as one draw of serving (``predicts_serving``).
 
 The gate reads the held-out slice at K = ``evaluate.draft_tokens``; the trained drafter
 is also measured on each evaluation set (``evaluate.datasets``), per category, at
