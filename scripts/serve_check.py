@@ -6,8 +6,14 @@ from draftflow.io import read_json, write_json
 from draftflow.prompt_sources import HELDOUT
 from draftflow.rule_log import logged
 from draftflow.sampling import at_temperature, temperature_key
-from draftflow.serve_check import decide, plot_served_acceptance, serve_check, served_prompts, shortfall_problem
-from draftflow.vllm_support import sampled_drafting_defect
+from draftflow.serve_check import (
+    decide,
+    plot_served_acceptance,
+    sampled_drafting_defect,
+    serve_check,
+    served_prompts,
+    shortfall_problem,
+)
 
 params = snakemake.params
 with logged(snakemake.log.log), claim_gpus(snakemake.resources.gpu):

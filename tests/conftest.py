@@ -30,12 +30,13 @@ if SUITE_CACHE:
 
 def demo_config(evaluation_sets: bool = True, **overrides) -> dict:
     """The default demo config, with top-level sections updated by ``overrides``; without
-    ``evaluation_sets``, its MT-Bench set and K sweep left out (runs of their own, not
-    continuing the demo's, save its 80 conversations and two serve_check servers)."""
+    ``evaluation_sets``, its MT-Bench set, K sweep and temperature 1 left out (runs of their
+    own, not continuing the demo's, save its 80 conversations, two serve_check servers and
+    an evaluation over a twin's whole vocabulary)."""
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     if not evaluation_sets:
         config["evaluate"] = {key: value for key, value in config["evaluate"].items()
-                              if key not in ("datasets", "draft_token_sweep")}  # fmt: skip
+                              if key not in ("datasets", "draft_token_sweep", "temperatures")}  # fmt: skip
     for key, value in overrides.items():
         if isinstance(value, dict):
             config[key] = {**config.get(key, {}), **value}

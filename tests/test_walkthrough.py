@@ -37,8 +37,8 @@ pytestmark = pytest.mark.slow
 CPU_VARIANT = (
     ("config/examples/llama-8b-1gpu.yaml", "config/examples/small-cpu.yaml",
      "`config/examples/small-cpu.yaml` for `config/examples/llama-8b-1gpu.yaml`"),
-    (".venv-cuda/bin/vllm serve", ".venv/bin/python -m vllm.entrypoints.openai.api_server --model",
-     "`.venv/bin/python -m vllm.entrypoints.openai.api_server --model` for `vllm serve`"),
+    (".venv-cuda/bin/vllm serve", "VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server --model",
+     "`VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server --model` for `vllm serve`"),
     (".venv-cuda/bin/", ".venv/bin/", "`.venv/bin/` (`make install`) for `.venv-cuda/bin/`"),
 )  # fmt: skip
 FIRST_LINE = "cp config/examples/llama-8b-1gpu.yaml my.yaml   # set run, target.path, data.prompt_files"
@@ -104,15 +104,17 @@ def test_the_readme_walkthrough_builds_and_serves_a_drafter_on_a_cpu(tmp_path):
     card = (results / "drafter/README.md").read_text()
     card_command = shlex.split(next(line for line in card.splitlines() if line.startswith("vllm serve ")))
     readme_command = shlex.split(serve.replace("<target>", str(target)).replace("<run>", RUN))
-    module = CPU_VARIANT[1][1].split()
-    assert readme_command[: len(module)] == module and card_command[:2] == ["vllm", "serve"]
+    cache, *module = CPU_VARIANT[1][1].split()
+    assert readme_command[: len(module) + 1] == [cache, *module] and card_command[:2] == ["vllm", "serve"]
+    readme_command = readme_command[1:]  # the variable goes to the server's environment
     # the README's line is the card's but for the run's server flags, which the card adds
     model, flags = card_command[2], card_command[3:]
     assert Path(model) == target, (model, target)
     assert readme_command[len(module) + 1 :] == flags[flags.index("--speculative-config") :], (readme_command, card_command)
     samples = evaluation_samples(results / "training_data/heldout")[HELDOUT][:SERVED_REQUESTS]
     # from the checkout's root, where the drafter's relative path resolves, as the README's commands run
-    with contextlib.chdir(checkout), vllm_server(model, flags, tmp_path / "server.log", port=free_port("127.0.0.1")) as url:
+    env = dict([cache.split("=", 1)])
+    with contextlib.chdir(checkout), vllm_server(model, flags, tmp_path / "server.log", port=free_port("127.0.0.1"), env=env) as url:
         sent = served_groups(url, model, served_prompts({HELDOUT: samples}), 64)[HELDOUT]
         counters = spec_decode_counters(url)
     assert sum(group["requests"] for group in sent.values()) == SERVED_REQUESTS
