@@ -229,7 +229,7 @@ def shortfall_problem(predicted: dict, served: dict, max_shortfall: float, tempe
     expected = predicted["mean_acceptance_length"] - 1
     accepted = served["mean_acceptance_length"] - 1
     noise = sampling_noise(predicted, served) if temperature > 0 else 0.0
-    if expected <= 0 or accepted >= (1 - max_shortfall) * expected - noise:
+    if accepted >= (1 - max_shortfall) * expected - noise:  # a prediction of 0 accepted can never be missed
         return None
     shortfall = 1 - accepted / expected
     per_position = ", ".join(f"{k}: {p:.3f} predicted, {s:.3f} served" for k, (p, s) in

@@ -20,6 +20,9 @@ from pathlib import Path
 
 # Written to the server log before each start.
 START_MARKER = "--- draftflow starts a vLLM server"
+# The line after it: the server's pid, which leads its process group (its engine workers too):
+# what a user (or a test) stops it by, never a name or port pattern that could match another's.
+PID_LINE = "--- its pid and process group: "
 # vLLM's "(EngineCore_DP0 pid=7) ERROR 11-30 13:55:29 [core.py:1512] message"; uvicorn's "ERROR:    message".
 LOG_LINE = re.compile(
     r"^(?:\([\w-]+ pid=\d+\) )?"
@@ -152,6 +155,7 @@ def vllm_server(
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
+        log.write(f"{PID_LINE}{process.pid}\n".encode())  # before its own first line
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_system_exit)
     try:
         wait_until_healthy(process, base_url, log_path, health_timeout_s)
@@ -159,6 +163,11 @@ def vllm_server(
     finally:
         stop(process)
         signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def logged_server_pids(log_text: str) -> list[int]:
+    """The pid (and process group) of each server a log's starts started, oldest first."""
+    return [int(pid) for pid in re.findall(rf"^{re.escape(PID_LINE)}(\d+)$", log_text, re.MULTILINE)]
 
 
 def _raise_system_exit(signum, frame):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -15,8 +18,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from filelock import FileLock
 
+from draftflow.report import COMPARED_FILES
 from draftflow.vllm_registry import CACHE_DIR_ENV
+from draftflow.vllm_server import logged_server_pids
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
@@ -45,13 +51,25 @@ def demo_config(evaluation_sets: bool = True, **overrides) -> dict:
     return config
 
 
+def config_file(workdir: Path, config: dict, sort_keys: bool = True) -> Path:
+    """``config`` (its keys sorted, or in its own order) in a file of ``workdir`` named by its
+    run and content: two workers' runs in one folder (the demo's) never read each other's
+    config, or one half written."""
+    text = yaml.safe_dump(config, sort_keys=sort_keys)
+    path = workdir / f"config-{config['run']}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
+    if not path.exists():
+        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        partial.write_text(text)
+        partial.replace(path)
+    return path
+
+
 def snakemake(
     workdir: Path, config: dict, *args: str, check: bool = True, workflow: Path = REPO, sort_keys: bool = True
 ) -> subprocess.CompletedProcess:
     """Run the workflow (the checkout's, or a ``workflow_copy``) in ``workdir`` with
     ``config`` (written with its keys sorted, or in its own order); output is captured."""
-    config_path = workdir / f"config-{config['run']}.yaml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=sort_keys))
+    config_path = config_file(workdir, config, sort_keys)
     command = [
         str(SNAKEMAKE),
         "--snakefile", str(workflow / "Snakefile"),
@@ -82,8 +100,7 @@ WORKFLOW_FILES = ("Snakefile", "rules", "scripts", "draftflow", "demo", "config"
 def plan_before_running(workdir: Path, config: dict, workflow: Path = REPO) -> dict:
     """What ``python -m draftflow.plan`` (the workflow's, the checkout's or a copy's) says
     a run of ``config`` in ``workdir`` will redo, before it runs: its JSON."""
-    config_path = workdir / f"config-{config['run']}.yaml"
-    config_path.write_text(yaml.safe_dump(config))
+    config_path = config_file(workdir, config)
     command = [sys.executable, "-m", "draftflow.plan", "--configfile", str(config_path), "--directory", str(workdir),
                "--gpus", "0", "--json"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(workflow), os.environ.get("PYTHONPATH")]))}
@@ -104,15 +121,10 @@ def workflow_copy(folder: Path) -> Path:
     return folder
 
 
-# `make test` runs two pytest-xdist workers. The modules whose tests read the demo run
-# go to one worker, which runs the demo once; every other module goes whole to a worker,
-# so its module fixtures (a SLURM cluster) run once, but for the modules whose module
-# fixture is a run per parameter (a twin's): each parameter's tests go whole to a worker.
-DEMO_MODULES = {
-    "test_data_stages", "test_extract_stage", "test_faults", "test_gates", "test_multi_turn", "test_plan",
-    "test_rebuilds", "test_resume_reproducibility", "test_server_faults", "test_train_evaluate_report", "test_storage_fp8",
-    "test_slurm", "test_docs_commands",
-}  # fmt: skip
+# `make test` runs two pytest-xdist workers. Each module goes whole to a worker, so its
+# module fixtures (a SLURM cluster) run once, but for the modules whose module fixture is a run
+# per parameter (a twin's): each parameter's tests go whole to a worker. The demo's run is the
+# session's, whichever worker asks first (``demo_run``).
 # Work that waits on the network, not on the cores: started in a process of its own as soon
 # as the collection holds the module that reads it, which runs last, so that the workers run
 # the other modules meanwhile. Module -> what runs, as `python -m RUNS FOLDER`
@@ -127,33 +139,42 @@ def module_of(nodeid: str) -> str:
 
 
 RUN_PER_PARAMETER_MODULES = {"test_twin_workflows"}
-# The order in which the workers take the scopes that run a minute or more, with the
-# seconds each took in a suite run on 2 cores (2026-12-02): the longest first, so that
-# none is left with a long one at the end, but the incremental module after three twins.
-# Its plan test holds a run's times to the rates its first run measured, and in the
-# suite's first minutes pip's install (EARLY_WORK) and the demo's target build load both
-# cores: its first run generated at 2.4 tokens/s there, 20 times slower than later.
+# The order in which the workers take the scopes that run a minute or more, with the seconds
+# each took in a suite run on 2 cores (--durations=0, 2026-12-06, the demo's run counted in the
+# module that asked for it first): the demo first (every module after it reads it, and the
+# background run starts from it) beside the runs that need no demo, then the longest first,
+# so that none is left with a long one at the end. The incremental module starts after the
+# first minutes: its plan test holds a run's times to the rates its first run measured, and
+# pip's install (EARLY_WORK) and the demo's target build load both cores at the start (its
+# first run once generated 20 times slower there than later).
 SCHEDULE = (
-    "demo",  # 1590
-    "test_twin_workflows[gpt_oss]",  # 260
-    "test_gemma3_ways_out",  # 230 (alone on 2 cores, not yet in a suite run)
-    "test_twin_workflows[qwen3_moe]",  # 210
-    "test_twin_workflows[kimi_k25]",  # 180
-    "test_incremental_rebuilds",  # 980
-    "test_twin_workflows[deepseek_v3]",  # 140
+    "test_train_evaluate_report",  # 620, the demo's run included
+    "test_walkthrough",  # 255
+    "test_twin_workflows[gpt_oss]",  # 465
+    "test_incremental_rebuilds",  # 695
+    "test_twin_workflows[qwen3_moe]",  # 330
+    "test_resume_reproducibility",  # 290
+    "test_server_faults",  # 225
+    "test_twin_workflows[kimi_k25]",  # 195
+    "test_slurm",  # 200
+    "test_gemma3_ways_out",  # 185
+    "test_twin_workflows[deepseek_v3]",  # 135
+    "test_faults",  # 135
+    "test_gates",  # 125
+    "test_extract_stage",  # 100
+    "test_rebuilds",  # 95
+    "test_families",  # 70
+    "test_docs_commands",  # 55
     "test_mla_rope",  # 40
-    "test_families",  # 55
-    "test_vllm_hidden_states_connector",  # 35
-    "test_twins",  # 30
+    "test_multi_turn",  # 40
+    "test_vllm_hidden_states_connector",  # 30
 )
 
 
 def scope(nodeid: str) -> str:
-    """The unit a worker runs whole: the demo's modules together, a run-per-parameter
-    module's tests of one parameter, else the test's module."""
+    """The unit a worker runs whole: a run-per-parameter module's tests of one parameter, else
+    the test's module."""
     module = module_of(nodeid)
-    if module in DEMO_MODULES:
-        return "demo"
     if module in RUN_PER_PARAMETER_MODULES:
         return f"{module}[{nodeid.rsplit('[', 1)[1]}"
     return module
@@ -226,21 +247,38 @@ def early_work_results(config, module: str) -> dict:
     return {path.stem: json.loads(path.read_text()) for path in folder.glob("*.json")}
 
 
-def pytest_itemcollected(item):
-    if "workdir" in item.fixturenames and item.module.__name__.rsplit(".", 1)[-1] not in DEMO_MODULES:
-        raise pytest.UsageError(f"{item.nodeid} reads the demo run: add its module to DEMO_MODULES in {__file__}")
+@pytest.fixture(scope="session")
+def workdir(request) -> Path:
+    """The demo's working directory, one for the session's xdist workers: the demo target is
+    built and the demo run once (``demo_run``). Tests run none of their own workflows in it:
+    another Snakemake there would lock the demo target it shares (they copy it, ``copy_demo_run``)."""
+    folder = session_folder(request.config) / "workflow"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+DEMO_DONE = ".demo-done"  # written in the workdir once the demo run has finished
 
 
 @pytest.fixture(scope="session")
-def workdir(tmp_path_factory) -> Path:
-    """One working directory for every workflow test: the demo target is built once."""
-    return tmp_path_factory.mktemp("workflow")
+def demo_run(workdir, request) -> Path:
+    """The default demo, run for real once in the session (the first worker to ask runs it,
+    holding a lock the others wait on); returns its results directory. The worker that ran it
+    then starts the BACKGROUND_RUNS the collection asks for."""
+    with FileLock(workdir.parent / "demo.lock"):
+        if not (workdir / DEMO_DONE).exists():
+            snakemake(workdir, demo_config())
+            (workdir / DEMO_DONE).touch()
+            wanted = {name for item in request.session.items for name in item.fixturenames}
+            for name in BACKGROUND_RUNS.keys() & wanted:
+                start_background_run(name, workdir / "results/demo", session_folder(request.config) / name)
+    return workdir / "results/demo"
 
 
 # Whole runs that build on the demo and only finish much later: started in the background
-# as soon as the demo is done (when a collected test asks for them), they use the cores
-# the tests leave idle. Name of the fixture that waits for one -> its config, and the
-# demo's stages it starts from (copied).
+# as soon as the demo is done (when a collected test asks for them), they use the cores the
+# workers leave idle; each in a folder of its own. Name of the fixture that waits for one ->
+# its config, and the demo's stages it starts from (copied).
 BACKGROUND_RUNS = {
     # the demo's samples in fp8 storage (issue 15), its report set beside the demo's
     "fp8_run": (
@@ -248,24 +286,28 @@ BACKGROUND_RUNS = {
         ("prompts", "synthetic", "prepared", "vocab", "drafter_untrained"),
     ),
 }
+BACKGROUND_EXIT, BACKGROUND_GROUP = "exit-code", "process-group"  # what a background run's folder holds
+BACKGROUND_RUN_TIMEOUT_S = 1800  # a whole demo-sized run takes 5-10 minutes on 2 busy cores
 
 
-@pytest.fixture(scope="session")
-def demo_run(workdir, request) -> Path:
-    """The default demo, run for real; returns its results directory."""
-    snakemake(workdir, demo_config())
-    wanted = {name for item in request.session.items for name in item.fixturenames}
-    for name, (config, stages) in BACKGROUND_RUNS.items():
-        if name in wanted:
-            for stage in stages:
-                shutil.copytree(workdir / "results/demo" / stage, workdir / "results" / config()["run"] / stage)
-            process = start_snakemake(workdir, config())
-            request.config.stash.setdefault(BACKGROUND, {})[name] = process
-            request.addfinalizer(lambda process=process: stop_group(process))
-    return workdir / "results/demo"
-
-
-BACKGROUND = pytest.StashKey[dict]()
+def start_background_run(name: str, demo: Path, folder: Path) -> None:
+    """The background run ``name`` in ``folder``, the demo's target and stages copied there (and
+    the files its report compares, COMPARED_FILES), in a session of its own: it outlives the
+    worker that started it (the controller stops it at the session's end), and writes its exit
+    code when done."""
+    config, stages = BACKGROUND_RUNS[name][0](), BACKGROUND_RUNS[name][1]
+    shutil.copytree(demo.parents[1] / "resources", folder / "resources")
+    for stage in stages:
+        shutil.copytree(demo / stage, folder / "results" / config["run"] / stage)
+    for path in COMPARED_FILES.values():
+        (folder / "results/demo" / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(demo / path, folder / "results/demo" / path)
+    command = shlex.join([str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(folder),
+                          "--configfile", str(config_file(folder, config)), "--cores", "2"])  # fmt: skip
+    with (folder / "snakemake.out").open("w") as output:
+        process = subprocess.Popen(["sh", "-c", f"{command}; echo $? > {BACKGROUND_EXIT}"], cwd=folder,
+                                   stdout=output, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    (folder / BACKGROUND_GROUP).write_text(str(process.pid))
 
 
 @pytest.fixture(scope="session")
@@ -275,23 +317,28 @@ def fp8_run(request, demo_run) -> Path:
     return background_run(request, "fp8_run")
 
 
-BACKGROUND_RUN_TIMEOUT_S = 1800  # a whole demo-sized run takes 5-10 minutes on 2 busy cores
-
-
 def background_run(request, name: str) -> Path:
     """Wait for the background run ``name`` (BACKGROUND_RUNS), at most
     BACKGROUND_RUN_TIMEOUT_S; its results directory."""
-    process = request.config.stash[BACKGROUND][name]
-    if returncode := wait_for_exit(process, BACKGROUND_RUN_TIMEOUT_S):
-        pytest.fail(f"the background run {name} failed ({returncode}):\n{output_tail(process)}")
-    return process.workdir / "results" / BACKGROUND_RUNS[name][0]()["run"]
+    folder = session_folder(request.config) / name
+    deadline = time.monotonic() + BACKGROUND_RUN_TIMEOUT_S
+    while not (folder / BACKGROUND_EXIT).exists() or not (folder / BACKGROUND_EXIT).read_text().strip():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the background run {name} ran past {BACKGROUND_RUN_TIMEOUT_S} s:\n{background_output(folder)}")
+        time.sleep(1)
+    if returncode := int((folder / BACKGROUND_EXIT).read_text()):
+        pytest.fail(f"the background run {name} failed ({returncode}):\n{background_output(folder)}")
+    return folder / "results" / BACKGROUND_RUNS[name][0]()["run"]
+
+
+def background_output(folder: Path) -> str:
+    return (folder / "snakemake.out").read_text()[-6000:]
 
 
 def start_snakemake(workdir: Path, config: dict, *args: str) -> subprocess.Popen:
     """The workflow in the background, in a process group of its own; its output in
     ``workdir/snakemake-<run>.out`` (``output_tail``)."""
-    config_path = workdir / f"config-{config['run']}.yaml"
-    config_path.write_text(yaml.safe_dump(config))
+    config_path = config_file(workdir, config)
     command = [str(SNAKEMAKE), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
                "--configfile", str(config_path), "--cores", "2", *args]  # fmt: skip
     output_path = workdir / f"snakemake-{config['run']}.out"
@@ -316,6 +363,10 @@ def interrupted(signum, frame):
 def pytest_sessionfinish(session, exitstatus):
     for process in STARTED:
         stop_group(process)
+    if not hasattr(session.config, "workerinput"):  # the controller, after every worker: the background runs
+        for group in session_folder(session.config).glob(f"*/{BACKGROUND_GROUP}"):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(group.read_text()), signal.SIGKILL)
 
 
 def pytest_unconfigure(config):
@@ -368,6 +419,28 @@ def stop_group(process: subprocess.Popen) -> None:
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def server_groups_gone_within(server_log: Path, seconds: float) -> bool:
+    """Whether no process is left in the process group of any server ``server_log``'s starts
+    started (their pids, as draftflow logs them; reaping takes a moment): only processes the
+    test's own run started are looked at, never others by name or port."""
+    pids = logged_server_pids(server_log.read_text())
+    assert pids, f"{server_log} logs no server's pid"
+    deadline = time.monotonic() + seconds
+    while any(group_alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
 
 
 def copy_demo_run(demo_run, workdir, *stages):

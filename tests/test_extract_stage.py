@@ -3,7 +3,6 @@
 import json
 import re
 import subprocess
-import time
 
 import pytest
 import torch
@@ -16,7 +15,8 @@ from draftflow.extract.layout import Sample
 from draftflow.extract.transformers_backend import TransformersExtractor, load_target
 from draftflow.fingerprint import file_sha256
 from draftflow.vllm_server import free_port
-from tests.conftest import DRAFTFLOW, complete_lines, copy_demo_run, demo_config, pause_group, snakemake, start_snakemake, stop_group, wait_until
+from tests.conftest import (DRAFTFLOW, complete_lines, copy_demo_run, demo_config, pause_group, server_groups_gone_within, snakemake,
+                            start_snakemake, stop_group, wait_until)  # fmt: skip
 
 pytestmark = pytest.mark.slow
 
@@ -140,7 +140,7 @@ def test_a_killed_server_job_resumes_each_of_its_shards_from_its_journal(tmp_pat
     for folder in ("results/demo", "results/demo/hidden_states"):
         after = progress_report(tmp_path, folder)
         assert after["complete"] and after["samples_done"] == after["samples_total"] == planned
-    assert no_server_on_port_within(config["vllm"]["port"], 60), "a vLLM server outlived its killed job"
+    assert server_groups_gone_within(tmp_path / "logs/demo/extract_server-0.server.log", 60), "a vLLM server outlived its killed job"
 
 
 def progress_report(workdir, folder):
@@ -149,13 +149,3 @@ def progress_report(workdir, folder):
     checked = subprocess.run(command, capture_output=True, text=True, cwd=workdir)
     assert checked.returncode == 0, checked.stderr
     return json.loads(checked.stdout)
-
-
-def no_server_on_port_within(port, seconds):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        found = subprocess.run(["pgrep", "-f", "--", f"--port {port}( |$)"], capture_output=True)
-        if found.returncode == 1:
-            return True
-        time.sleep(1)
-    return False

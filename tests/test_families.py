@@ -101,6 +101,8 @@ def test_the_matrix_lists_every_supports_eagle3_architecture_of_the_pinned_vllm(
 def test_every_family_has_a_twin_or_the_reason_none_can_be_built(twins):
     reasons = {architecture: twin for architecture, twin in twins.items() if isinstance(twin, str)}
     built = [architecture for architecture, twin in twins.items() if isinstance(twin, Path)]
+    # a twin fails to build only where BUILD_GAPS says, as it says (built_twins raises otherwise)
+    assert {architecture for architecture, reason in reasons.items() if "do not shrink" in reason} == set(matrix.BUILD_GAPS), reasons
     assert len(built) >= 45, reasons
     assert {"Qwen3VLForConditionalGeneration", "Mistral3ForConditionalGeneration", "Llama4ForConditionalGeneration",
             "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"} <= set(built)  # fmt: skip

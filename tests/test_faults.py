@@ -21,7 +21,7 @@ from draftflow.io import iter_jsonl
 from draftflow.prompts import BadPromptRow
 from draftflow.training_data import check_file
 from draftflow.vllm_server import ServerStartError, server_env, target_server_args, vllm_server
-from tests.conftest import copy_demo_run, demo_config, snakemake
+from tests.conftest import copy_demo_run, demo_config, server_groups_gone_within, snakemake
 from tests.test_example_configs import example_config
 from tests.test_extraction import LAYERS, make_samples, tiny_target  # noqa: F401 - fixture
 from tests.test_prompts import select
@@ -85,7 +85,7 @@ def test_server_that_cannot_start_fails_fast_with_its_log_and_leaves_nothing(tmp
             pass
     # 27 s measured on 2 cores busy with another suite (load 7): well before the health timeout
     assert time.monotonic() - started < 90
-    assert subprocess.run(["pgrep", "-f", "no-such-model"], capture_output=True).returncode == 1
+    assert server_groups_gone_within(log, 0)
 
 
 def test_server_on_a_taken_port_fails_with_its_log(tmp_path, demo_run):
@@ -98,7 +98,7 @@ def test_server_on_a_taken_port_fails_with_its_log(tmp_path, demo_run):
             with vllm_server(target, ["--enforce-eager", "--dtype", "float32"], tmp_path / "server.log", port=port, health_timeout_s=300):
                 pass
     assert "Last lines of" in str(error.value)
-    assert subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True).returncode == 1
+    assert server_groups_gone_within(tmp_path / "server.log", 0)
 
 
 def test_generation_fails_above_the_error_budget_and_keeps_answers(tmp_path):
@@ -146,10 +146,11 @@ def test_disk_full_stops_the_shard_clearly_and_keeps_earlier_files(tiny_target, 
     assert not list(shard_dir.glob(".*.tmp"))
 
 
-def test_generation_under_load_loses_and_duplicates_nothing(workdir, demo_run):
+def test_generation_under_load_loses_and_duplicates_nothing(tmp_path, demo_run):
+    copy_demo_run(demo_run, tmp_path)  # the demo's target
     config = demo_config(False, run="load", generate={"concurrency": 64})
-    snakemake(workdir, config, "results/load/synthetic/stats.json")
-    results = workdir / "results/load"
+    snakemake(tmp_path, config, "results/load/synthetic/stats.json")
+    results = tmp_path / "results/load"
     asked = [json.loads(line)["id"] for line in (results / "prompts/conversations.jsonl").open()]
     answered = [json.loads(line)["primary_id"] for line in (results / "synthetic/generated.jsonl").open()]
     errors = [json.loads(line)["id"] for line in (results / "synthetic/errors.jsonl").open()]
@@ -159,8 +160,9 @@ def test_generation_under_load_loses_and_duplicates_nothing(workdir, demo_run):
     assert stats["errors"] == len(errors) and stats["response_tokens_per_second"] > 0
 
 
-def test_external_endpoint_key_comes_from_the_environment_and_stays_out_of_logs(workdir, demo_run, tmp_path, monkeypatch):
+def test_external_endpoint_key_comes_from_the_environment_and_stays_out_of_logs(demo_run, tmp_path, monkeypatch):
     key = "sk-draftflow-test-4711"
+    workdir = copy_demo_run(demo_run, tmp_path / "workdir").parents[1]  # the demo's target
     target = str(demo_run.parents[1] / "resources/demo-target")
     args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "1024", "--api-key", key]
     with vllm_server(target, args, tmp_path / "external.log", env=server_env(demo_config()["vllm"], "cpu")) as external:
@@ -200,16 +202,23 @@ def test_chat_template_without_assistant_span_stops_prepare_naming_it(tmp_path, 
 
 @pytest.mark.parametrize(("on_too_long", "counted"), [("truncate", "truncated"), ("drop", "dropped_too_long")])
 def test_samples_longer_than_the_max_sequence_length_are_truncated_or_dropped_and_counted(tmp_path, demo_run, on_too_long, counted):
+    """Each row counted once, by what became of it: with ``truncate``, a row over the limit whose
+    answer starts past it keeps no supervised token and is dropped as such (an MT-Bench second
+    turn, whose prompt holds the first, can be one), not counted truncated."""
     results = copy_demo_run(demo_run, tmp_path, "prompts", "synthetic")
-    longest = max(len(row["input_ids"]) for row in iter_jsonl(results / "synthetic/generated.jsonl"))
-    limit = longest - 8
-    too_long = sum(len(row["input_ids"]) > limit for row in iter_jsonl(results / "synthetic/generated.jsonl"))
+    rows = list(iter_jsonl(results / "synthetic/generated.jsonl"))
+    limit = max(len(row["input_ids"]) for row in rows) - 8
+    minimum = demo_config()["prepare"]["minimum_valid_tokens"]
+    too_long = [row for row in rows if len(row["input_ids"]) > limit]
+    kept_whole = [row for row in rows if on_too_long == "truncate" or len(row["input_ids"]) <= limit]
+    too_few = [row for row in kept_whole if sum(row["loss_mask"][:limit]) < minimum]
+    dropped_ids = {row["id"] for row in too_few}
+    changed = [row for row in too_long if row["id"] not in dropped_ids] if on_too_long == "truncate" else too_long
     snakemake(tmp_path, demo_config(prepare={"max_seq_length": limit, "on_too_long": on_too_long}), "results/demo/prepared/stats.json")
     stats = json.loads((results / "prepared/stats.json").read_text())
-    assert too_long >= 1 and stats[counted] == too_long
+    assert len(changed) >= 1 and (stats[counted], stats["dropped_too_few_supervised_tokens"]) == (len(changed), len(too_few))
     lengths = [len(ids) for ids in load_from_disk(str(results / "prepared/dataset"))["input_ids"]]
-    assert max(lengths) <= limit
-    assert len(lengths) == stats["rows_in"] - (too_long if on_too_long == "drop" else 0) - stats["dropped_too_few_supervised_tokens"]
+    assert max(lengths) <= limit and len(lengths) == len(kept_whole) - len(too_few) == stats["kept"]
 
 
 def test_servers_listen_on_loopback_and_trust_no_remote_code_by_default(demo_run):

@@ -47,7 +47,7 @@ from draftflow.report import read_benchmark
 from draftflow.run_folder import STAGE
 from draftflow.vllm_server import server_env, target_server_args, vllm_server
 from tests.compare import assert_same_files
-from tests.conftest import demo_config, plan_before_running, snakemake
+from tests.conftest import config_file, demo_config, plan_before_running, snakemake
 from tests.twins import build_twin
 
 pytestmark = pytest.mark.slow
@@ -238,7 +238,8 @@ def run_edit(edit: str, lab: Path, server: str, start: Path, clean: bool) -> dic
     plan = plan_before_running(incremental, edited_config)
     served = requests_served(server)
     snakemake(incremental, edited_config, target)
-    run = {"edit": edit, "incremental": incremental, "start": start, "requests": requests_served(server) - served, "plan": plan}
+    run = {"edit": edit, "config": edited_config, "incremental": incremental, "start": start,
+           "requests": requests_served(server) - served, "plan": plan}  # fmt: skip
     if clean:
         run["clean"] = new_folder(lab, f"clean-{edit}")
         edit_in_place(edit, lab, run["clean"], start)
@@ -409,7 +410,7 @@ def test_the_plan_from_another_runs_rates_foretells_a_larger_clean_run(lab, edit
     for prompts in (PROMPTS, MORE_PROMPTS):  # the folder as it was before the clean run: prompts and target
         shutil.copy(clean / prompts, tmp_path / prompts)
     shutil.copytree(clean / TARGET, tmp_path / TARGET)
-    config = load_config(clean / f"config-{RUN}.yaml")
+    config = load_config(config_file(tmp_path, grown["config"]))
     plan = build_plan(config, tmp_path / f"results/{RUN}", rates_from_run(results(start)), free_bytes=10**12, local_gpus=0)
     stages = {stage.name: stage for stage in plan.stages}
     assert plan.tokens["samples"] == len(prepared_rows(clean)) != len(prepared_rows(start))

