@@ -74,7 +74,7 @@ STAGES = {
     "train_views": Reads(("train.heldout_fraction", "seed"), after=("prepare", "extract")),
     "train": Reads(("train", "seed", "device"), after=("drafter_init", "train_views")),
     "evaluate": Reads(("evaluate.draft_tokens", "evaluate.draft_token_sweep", "evaluate.temperatures", "evaluate.min_acceptance_length",
-                       "evaluate.serve_check_requests", "generate.max_tokens", "train.attention"),
+                       "evaluate.serve_check_requests", "generate.max_tokens", "train.attention", "device"),
                       after=("train_views", "extract_plan", "generate", "train", "drafter_init"), target="model"),
     "serve_check": Reads((*SERVER, "evaluate.draft_tokens", "evaluate.draft_token_sweep", "evaluate.temperatures",
                           "evaluate.serve_check_requests", "evaluate.max_served_shortfall", "generate.max_tokens"),

@@ -24,6 +24,7 @@ each K of the sweep (``measure``), as published drafters are compared.
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +32,10 @@ import torch
 from datasets import load_from_disk
 from safetensors import safe_open
 
+from draftflow.acceptance_tables import sets_table
 from draftflow.extract.hidden_states import read_hidden_states
 from draftflow.extract.layout import view_file_name
+from draftflow.io import atomic_path, write_json
 from draftflow.plots import pyplot, save_png
 from draftflow.prepared_rows import CATEGORY, EVALUATION_SET
 from draftflow.prompt_sources import HELDOUT
@@ -64,18 +67,19 @@ def target_tensors(target: TargetModel, names: list[str]) -> dict[str, torch.Ten
 
 
 class TargetHead:
-    """The target's final norm and lm_head: its logits from final-layer states."""
+    """The target's final norm and lm_head on ``device``: its logits from final-layer states."""
 
-    def __init__(self, target: Path):
+    def __init__(self, target: Path, device: str = "cpu"):
         model = read_target_model(target)
         head = model.head_weights
         weights = target_tensors(model, [head.final_norm, head.lm_head])
-        self.norm = model.final_norm(weights[head.final_norm])
-        self.lm_head = weights[head.lm_head]
+        self.device = device
+        self.norm = model.final_norm(weights[head.final_norm]).to(device)
+        self.lm_head = weights[head.lm_head].to(device)
 
     @torch.inference_mode()
     def logits(self, final_states: torch.Tensor) -> torch.Tensor:
-        return self.norm(final_states.float()) @ self.lm_head.T
+        return self.norm(final_states.to(self.device).float()) @ self.lm_head.T
 
     def greedy(self, final_states: torch.Tensor) -> torch.Tensor:
         return self.logits(final_states).argmax(-1)
@@ -83,17 +87,18 @@ class TargetHead:
 
 @torch.inference_mode()
 def draft_chains(drafter, token_ids: torch.Tensor, aux_states: torch.Tensor, steps: int) -> torch.Tensor:
-    """[steps, T-1] target-vocab tokens; row k at j proposes position j+2+k."""
-    length = token_ids.numel() - 1
+    """[steps, T-1] target-vocab tokens (on the CPU, drafted on the drafter's device); row k at j
+    proposes position j+2+k."""
+    length, device = token_ids.numel() - 1, drafter.d2t.device
     drafts = drafter(
-        hidden_states=aux_states[:-1].flatten(1).unsqueeze(0),
-        input_ids=token_ids[1:].unsqueeze(0),
-        document_ids=torch.zeros(1, length, dtype=torch.long),
-        position_ids=torch.arange(1, length + 1).unsqueeze(0),
+        hidden_states=aux_states[:-1].flatten(1).unsqueeze(0).to(device, drafter.fc.weight.dtype),
+        input_ids=token_ids[1:].unsqueeze(0).to(device),
+        document_ids=torch.zeros(1, length, dtype=torch.long, device=device),
+        position_ids=torch.arange(1, length + 1, device=device).unsqueeze(0),
         ttt_steps=steps,
     )
     draft = torch.cat(drafts, dim=0)
-    return draft + drafter.d2t[draft]
+    return (draft + drafter.d2t[draft]).cpu()
 
 
 GREEDY = {"temperature": 0}
@@ -112,31 +117,61 @@ def on_data(token_ids: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     return inside & (drafts == token_ids[proposed.clamp(max=token_ids.numel() - 1)])
 
 
-def target_probabilities(logits: torch.Tensor, sampling: dict) -> torch.Tensor:
-    """The target's distribution at ``sampling``'s temperature (> 0), cut to its top_k and
-    top_p as vLLM's rejection sampler cuts it (with vLLM's own function). Penalties and min_p,
-    which that sampler leaves out or applies from the generated text, are not modelled."""
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p  # here: only at T > 0
+# The target's logits are made this many positions at a time, [positions, vocabulary] float32
+# (600 MB at a 150k vocabulary), never the whole answer's (4.9 GB at 8k tokens).
+POSITION_CHUNK = 1024
+
+
+def cut_logits(logits: torch.Tensor, sampling: dict) -> torch.Tensor:
+    """Logits at ``sampling``'s temperature (> 0), cut to its top_k and top_p as vLLM's rejection
+    sampler cuts them: top_k alone by each row's k-th value, as vLLM's top-k-only path does (no
+    sorted copy of the rows); with top_p by vLLM's own function. Penalties and min_p, which that
+    sampler leaves out or applies from the generated text, are not modelled."""
+    logits = logits / sampling["temperature"]
+    top_k, top_p = sampling.get("top_k"), sampling.get("top_p")
+    top_k = top_k if top_k and 0 < top_k < logits.shape[-1] else None
+    if top_p is None or top_p >= 1:
+        return logits if top_k is None else logits.masked_fill(logits < logits.topk(top_k, -1).values[:, -1:], float("-inf"))
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p  # here: only with top_p
 
     rows = logits.shape[0]
-    top_k, top_p = sampling.get("top_k"), sampling.get("top_p")
-    cut_k = torch.full((rows,), top_k, dtype=torch.long) if top_k and top_k > 0 else None
-    cut_p = torch.full((rows,), float(top_p)) if top_p is not None and top_p < 1 else None
-    return apply_top_k_top_p(logits / sampling["temperature"], cut_k, cut_p).softmax(-1)
+    cut_k = torch.full((rows,), top_k, dtype=torch.long, device=logits.device) if top_k else None
+    return apply_top_k_top_p(logits, cut_k, torch.full((rows,), float(top_p), device=logits.device))
 
 
-def acceptance_probability(logits: torch.Tensor, drafts: torch.Tensor, sampling: dict) -> torch.Tensor:
+def acceptance_probability(logits_of, length: int, drafts: torch.Tensor, sampling: dict) -> torch.Tensor:
     """[K, starts]: the chance vLLM accepts each draft given the data before it. vLLM's drafts
     are greedy (one-hot), so its rejection sampling accepts one with the target's probability
-    of it: at temperature 0, whether it is the target's greedy token. 0 past the data."""
+    of it: at temperature 0, whether it is the target's greedy token. 0 past the data.
+    ``logits_of(a, b)``: the target's logits at positions a to b of the ``length``, asked
+    POSITION_CHUNK at a time; of each chunk only the drafted tokens' probabilities are kept
+    (a log-sum-exp per row and a gather)."""
     positions = verifying_positions(drafts)
-    inside = positions < logits.shape[0]
-    positions = positions.clamp(max=logits.shape[0] - 1)
-    if sampling["temperature"] == 0:
-        accepted = (drafts == logits.argmax(-1)[positions]).float()
-    else:
-        accepted = target_probabilities(logits, sampling)[positions, drafts.clamp(min=0)] * (drafts >= 0)
-    return accepted * inside
+    inside = positions < length
+    accepted = torch.zeros(drafts.shape)
+    for start in range(0, length, POSITION_CHUNK):
+        chunk = inside & (positions >= start) & (positions < start + POSITION_CHUNK)
+        if not chunk.any():
+            continue
+        logits = logits_of(start, min(start + POSITION_CHUNK, length))
+        rows, tokens = positions[chunk] - start, drafts[chunk].to(logits.device)
+        if sampling["temperature"] == 0:
+            accepted[chunk] = (logits.argmax(-1)[rows.to(logits.device)] == tokens).float().cpu()
+        else:
+            cut = cut_logits(logits, sampling)
+            logp = cut[rows.to(logits.device), tokens.clamp(min=0)] - cut.logsumexp(-1)[rows.to(logits.device)]
+            accepted[chunk] = (logp.exp() * (tokens >= 0)).float().cpu()
+    return accepted
+
+
+def head_logits(head: TargetHead, final_states: torch.Tensor):
+    """``acceptance_probability``'s ``logits_of`` for the target's head over final-layer states."""
+    return lambda a, b: head.logits(final_states[a:b])
+
+
+def tensor_logits(logits: torch.Tensor):
+    """``acceptance_probability``'s ``logits_of`` for logits at hand."""
+    return lambda a, b: logits[a:b]
 
 
 def chain_reach(acceptance: torch.Tensor, drafts_on_data: torch.Tensor) -> torch.Tensor:
@@ -271,7 +306,8 @@ def measure(
         ids = torch.tensor(sample.token_ids)
         drafts = draft_chains(drafter, ids, states[:, :-1], max(sweep))
         drafts_on_data = on_data(ids, drafts)
-        reach = chain_reach(acceptance_probability(head.logits(states[:, -1]), drafts, sampling), drafts_on_data)
+        accepted = acceptance_probability(head_logits(head, states[:, -1]), len(ids), drafts, sampling)
+        reach = chain_reach(accepted, drafts_on_data)
         replayed = replay_reach(reach, drafts_on_data, sampling) if replays else None
         for group in {"", sample.category}:
             acceptance = groups.setdefault(group, Acceptance(sweep, replays))
@@ -335,6 +371,38 @@ def gate_failure(results: dict) -> str | None:
         f"{[round(a, 3) for a in trained['acceptance_per_position']]}). "
         "Train longer or on more samples, or check the extraction's fidelity report."
     )
+
+
+# Beside evaluation.json: what a failed gate leaves to read. Snakemake deletes a failed job's
+# outputs, so it is no output of the rule; a run whose gate passes removes it.
+GATE_FAILED = "gate-failed"
+
+
+def gate_evidence(evaluation_output: Path) -> Path:
+    return evaluation_output.parent / GATE_FAILED
+
+
+def keep_gate_evidence(results: dict, evaluation_output: Path, plot: Path) -> Path:
+    """A failed gate's evaluation, its plot and a report that says why it failed, in
+    ``gate_evidence``; the folder."""
+    folder = gate_evidence(evaluation_output)
+    with atomic_path(folder) as tmp:
+        tmp.mkdir()
+        write_json(tmp / evaluation_output.name, results)
+        shutil.copy2(plot, tmp / plot.name)
+        trained, untrained = results["trained"], results["untrained"]
+        lines = [
+            "# The evaluation gate failed", "", gate_failure(results), "",
+            "| drafter | mean acceptance length | accepted through position 1..K |", "| --- | --- | --- |",
+            *(f"| {name} | {numbers['mean_acceptance_length']:.3f} | "
+              f"{', '.join(f'{100 * a:.0f}%' for a in numbers['acceptance_per_position'])} |"
+              for name, numbers in (("trained", trained), ("untrained", untrained))),
+            "", "Every evaluation set at each K, offline (nothing was served: serve_check runs after the gate):", "",
+            *sets_table(results, None), "",
+            f"The plot: {plot.name}; the figures: {evaluation_output.name}, both here. A rerun that passes the gate removes this folder.",
+        ]  # fmt: skip
+        (tmp / "report.md").write_text("\n".join(lines) + "\n")
+    return folder
 
 
 def plot_acceptance(results: dict, output: Path) -> None:

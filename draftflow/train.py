@@ -8,6 +8,7 @@ drives the same ``Eagle3DraftModel``, data classes and loss.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -32,7 +33,9 @@ from transformers import get_cosine_schedule_with_warmup
 
 from draftflow import trainer_launch
 from draftflow.io import atomic_path, write_json
+from draftflow.fingerprint import file_sha256
 from draftflow.target_model import read_target_model
+from draftflow.training_data import view_identity
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,6 @@ class TrainSettings:
     gpus: int
     seed: int
     device: str
-
-    def key(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
 
 
 def drafter_flags(
@@ -117,22 +117,28 @@ def match_target_final_norm(model: Eagle3DraftModel) -> None:
         model.verifier_norm.weight += target.final_norm_offset
 
 
-def data_loader(view_dir: Path, settings: TrainSettings, num_aux: int, hidden_size: int, epoch: int) -> DataLoader:
-    dataset = ArrowDataset(
+def view_dataset(view_dir: Path, settings: TrainSettings, train_ratio: float = 1.0) -> ArrowDataset:
+    """speculators' dataset of a view's rows (its first ``train_ratio``, as the Trainer splits them)."""
+    return ArrowDataset(
         max_len=settings.seq_length,
         datapath=str(view_dir),
         # reads both extract.storage formats: files without fp8 scales pass through
         transfer=FP8Transfer(view_dir / "hidden_states", dequantize_dtype=torch.float32),
         on_missing="raise",
+        train_ratio=train_ratio,
         hidden_states_dtype=torch.float32,
     )
-    sampler = MultipackDistributedBatchSamplerV2(
-        batch_max_length=settings.seq_length,
-        lengths=dataset.approx_lengths,
-        num_replicas=1,
-        rank=0,
-        seed=settings.seed,
-    )
+
+
+def packed_batches(dataset: ArrowDataset, settings: TrainSettings, replicas: int = 1) -> MultipackDistributedBatchSamplerV2:
+    """The batches of rows packed to ``settings.seq_length`` tokens, of the first of ``replicas`` ranks."""
+    return MultipackDistributedBatchSamplerV2(batch_max_length=settings.seq_length, lengths=dataset.approx_lengths,
+                                              num_replicas=replicas, rank=0, seed=settings.seed)  # fmt: skip
+
+
+def data_loader(view_dir: Path, settings: TrainSettings, num_aux: int, hidden_size: int, epoch: int) -> DataLoader:
+    dataset = view_dataset(view_dir, settings)
+    sampler = packed_batches(dataset, settings)
     sampler.set_epoch(epoch)
     collate = CollateFn(
         settings.seq_length, hidden_size, num_target_layers=num_aux, dtype=torch.float32, preprocess=shift_batch
@@ -144,22 +150,17 @@ MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "posi
 
 
 class Checkpoint:
-    """Training state saved atomically every N steps; a rerun continues from it."""
+    """Training state saved atomically every N steps in the training key's folder
+    (``keyed_work_dir``); a rerun of that key continues from it."""
 
-    def __init__(self, path: Path, settings: TrainSettings):
+    def __init__(self, path: Path):
         self.path = path
-        self.settings_key = settings.key()
 
     def load(self) -> dict | None:
-        if not self.path.exists():
-            return None
-        state = torch.load(self.path, weights_only=False)
-        # a checkpoint saved before it kept its loss history starts training over
-        return state if state["settings_key"] == self.settings_key and "history" in state else None
+        return torch.load(self.path, weights_only=False) if self.path.exists() else None
 
     def save(self, model, optimizer, scheduler, epoch: int, step_in_epoch: int, global_step: int, history: list) -> None:
         state = {
-            "settings_key": self.settings_key,
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
@@ -182,7 +183,7 @@ def train_on_cpu(init_dir: Path, view_dir: Path, settings: TrainSettings, work_d
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, settings.warmup_steps, total_steps)
     loss_config = resolve_loss_config(settings.loss_fn, "eager")
-    checkpoint = Checkpoint(work_dir / "checkpoint.pt", settings)
+    checkpoint = Checkpoint(work_dir / "checkpoint.pt")
     start_epoch, skip_steps, global_step, history = 0, 0, 0, []
     if state := checkpoint.load():
         model.load_state_dict(state["model"])
@@ -233,6 +234,39 @@ def train_on_cpu(init_dir: Path, view_dir: Path, settings: TrainSettings, work_d
     }
 
 
+def training_key(init_dir: Path, view_dir: Path, settings: TrainSettings) -> str:
+    """What a training run's checkpoints belong to: its settings, the untrained drafter it starts
+    from (its config and weights: speculators' run records beside them name times and folders)
+    and what it reads of its view (``view_identity``)."""
+    # how often it saves changes no step; the GPU count does (each rank's share of an epoch)
+    trained_by = {name: value for name, value in asdict(settings).items() if name != "checkpoint_every_steps"}
+    digest = hashlib.sha256()
+    drafter = [file_sha256(init_dir / name) for name in ("config.json", "model.safetensors")]
+    for part in (json.dumps(trained_by, sort_keys=True), *drafter, view_identity(view_dir)):
+        digest.update(part.encode() + b"\n")
+    return digest.hexdigest()[:16]
+
+
+def keyed_work_dir(work_dir: Path, key: str) -> Path:
+    """``work_dir/<key>``, where the training run of ``key`` keeps its checkpoints; what other
+    keys left there (a run before an edit of the settings or the data) is removed: resumed
+    from, it would ship the old drafter under the new key."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    for other in work_dir.iterdir():
+        if other.name != key:
+            print(f"removing {other}: another training run's checkpoints (other settings or data), never resumed from")
+            shutil.rmtree(other) if other.is_dir() and not other.is_symlink() else other.unlink()
+    return work_dir / key
+
+
+def train_drafter(init_dir: Path, view_dir: Path, settings: TrainSettings, work_dir: Path, output: Path) -> dict:
+    """Train on the device ``settings`` name, resuming only this training key's checkpoints."""
+    key = training_key(init_dir, view_dir, settings)
+    train = train_on_cpu if settings.device == "cpu" else train_with_trainer
+    print(f"training key {key}: checkpoints in {work_dir / key}")
+    return train(init_dir, view_dir, settings, keyed_work_dir(work_dir, key), output)
+
+
 def save_drafter(model: Eagle3DraftModel, output: Path) -> None:
     with atomic_path(output) as tmp:
         model.save_pretrained(str(tmp))
@@ -244,8 +278,32 @@ def save_drafter(model: Eagle3DraftModel, output: Path) -> None:
 TRAINER_DATA_RATIO = 0.99
 
 
+def trainer_steps_per_epoch(view_dir: Path, settings: TrainSettings) -> int:
+    """The steps each of the Trainer's ``settings.gpus`` ranks takes per epoch on the view: its
+    packing of the rows it trains on (the first TRAINER_DATA_RATIO), as its data loader packs them."""
+    return len(packed_batches(view_dataset(view_dir, settings, TRAINER_DATA_RATIO), settings, settings.gpus))
+
+
+def checkpoint_freq(every_steps: int, steps_per_epoch: int) -> float:
+    """speculators' ``--checkpoint-freq`` for a checkpoint every ``every_steps`` steps: the
+    fraction of an epoch they are (it saves every round(steps x fraction) steps), or 1, each
+    epoch's end, where an epoch is shorter."""
+    return every_steps / steps_per_epoch if every_steps < steps_per_epoch else 1
+
+
+def resumable(checkpoints: Path) -> bool:
+    """Whether speculators' Trainer left a checkpoint (a numbered folder) in ``checkpoints``."""
+    return any(path.name.isdigit() for path in checkpoints.glob("*"))
+
+
 def trainer_flags(init_dir: Path, view_dir: Path, settings: TrainSettings, work_dir: Path) -> list[str]:
-    """speculators' ``train`` flags for ``settings``: the Trainer's recipe, also timed by bench/gpu/train_bench.py."""
+    """speculators' ``train`` flags for ``settings``: the Trainer's recipe, also timed by
+    bench/gpu/train_bench.py. Checkpoints go to ``work_dir/checkpoints`` every
+    ``settings.checkpoint_every_steps`` steps (or each epoch's end, where an epoch is shorter);
+    the Trainer resumes from them where they exist (``work_dir`` is the training key's,
+    ``keyed_work_dir``) and starts over where none does."""
+    checkpoints = work_dir / "checkpoints"
+    every = checkpoint_freq(settings.checkpoint_every_steps, trainer_steps_per_epoch(view_dir, settings))
     return [
         "--speculator-type", "eagle3",
         "--from-pretrained", str(init_dir),
@@ -260,7 +318,9 @@ def trainer_flags(init_dir: Path, view_dir: Path, settings: TrainSettings, work_
         "--loss-fn", settings.loss_fn,
         "--loss-implementation", settings.loss_implementation,
         "--seed", str(settings.seed),
-        "--save-path", str(work_dir / "checkpoints"),
+        "--save-path", str(checkpoints),
+        "--checkpoint-freq", str(every),
+        *([] if resumable(checkpoints) else ["--no-resume-from-checkpoint"]),
         "--data-path", str(view_dir),
         "--epochs", str(settings.epochs),
         "--lr", str(settings.lr),
@@ -272,6 +332,9 @@ def trainer_flags(init_dir: Path, view_dir: Path, settings: TrainSettings, work_
         "--train-data-ratio", str(TRAINER_DATA_RATIO),
         "--log-dir", str(work_dir / "logs"),
     ]  # fmt: skip
+
+
+TRAINER_LAUNCH = trainer_launch.__name__  # what torchrun runs: speculators' Trainer, as draftflow keeps its records
 
 
 def train_with_trainer(
@@ -286,11 +349,12 @@ def train_with_trainer(
     """
     metrics = work_dir / "metrics.jsonl"
     work_dir.mkdir(parents=True, exist_ok=True)
-    metrics.unlink(missing_ok=True)
+    if not resumable(work_dir / "checkpoints"):
+        metrics.unlink(missing_ok=True)  # a resumed run's steps add to those before the kill
     started = time.monotonic()
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={settings.gpus}",
-        "-m", trainer_launch.__name__, str(metrics), *trainer_flags(init_dir, view_dir, settings, work_dir),
+        "-m", TRAINER_LAUNCH, str(metrics), *trainer_flags(init_dir, view_dir, settings, work_dir),
     ]  # fmt: skip
     subprocess.run(command, check=True)
     seconds = time.monotonic() - started

@@ -20,7 +20,8 @@ import torch
 from datasets import load_from_disk
 
 from draftflow.extract.hidden_states import opens_cleanly, read_hidden_states, read_token_ids
-from draftflow.extract.layout import Sample, token_digest, view_file_name
+from draftflow.extract.layout import SUMMARY, Sample, token_digest, view_file_name
+from draftflow.fingerprint import file_sha256
 from draftflow.io import atomic_path, read_json
 from draftflow.prepared_rows import EVALUATION_SET
 
@@ -96,6 +97,24 @@ def build_view(dataset_dir: Path, summary_path: Path, rows: list[int], view_dir:
             entry = file_of(files, sample_id, token_ids, str(summary_path))
             check_file(entry["path"], entry["bytes"], sample_id)
             (links / view_file_name(position)).symlink_to(os.path.relpath(entry["path"].resolve(), final_links))
+
+
+def view_identity(view_dir: Path) -> str:
+    """sha256 of what training reads from a view: its dataset's files (the rows) and the
+    content of each hidden-state file it links to, by the sha256 the extraction's shard
+    manifests record for it (a file extracted again under its old name counts anew, and no
+    hidden state is read again)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in view_dir.iterdir() if p.is_file()):
+        digest.update(f"{path.name}:{file_sha256(path)}\n".encode())
+    recorded: dict[Path, dict[Path, str]] = {}  # extraction summary -> file -> its sha256
+    for link in sorted((view_dir / "hidden_states").iterdir()):
+        file = link.resolve()
+        summary = file.parents[1] / SUMMARY  # hidden_states/shard-<k>/hs_<id>.safetensors
+        if summary not in recorded:
+            recorded[summary] = {entry["path"].resolve(): entry["sha256"] for entry in hidden_state_files(summary).values()}
+        digest.update(f"{link.name}:{recorded[summary][file]}\n".encode())
+    return digest.hexdigest()
 
 
 def check_view(view_dir: Path) -> int:

@@ -20,9 +20,12 @@ rule evaluate:
         benchmark_path("evaluate")
     conda:
         CONDA_ENV
+    resources:
+        gpu=1 if config["device"] == "cuda" else 0,
     params:
         depends=depends_on("evaluate"),
         code=code_version("evaluate"),
+        device=config["device"],
         draft_tokens=config["evaluate"]["draft_tokens"],
         sweep=DRAFT_TOKEN_SWEEP,
         temperatures=config["evaluate"]["temperatures"],

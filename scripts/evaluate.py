@@ -1,3 +1,4 @@
+import shutil
 from pathlib import Path
 
 import torch._dynamo
@@ -8,11 +9,14 @@ from draftflow.evaluate import (
     evaluate,
     evaluation_samples,
     gate,
+    gate_evidence,
     gate_failure,
+    keep_gate_evidence,
     measure,
     plot_acceptance,
     set_results,
 )
+from draftflow.gpus import claim_gpus
 from draftflow.io import read_json, write_json
 from draftflow.prompt_sources import HELDOUT
 from draftflow.rule_log import logged
@@ -20,23 +24,23 @@ from draftflow.sampling import at_temperature, temperature_key
 from draftflow.train import load_drafter
 from draftflow.training_data import check_view
 
-# speculators compiles the drafter's forward whenever CUDA is available; evaluation runs it on
-# CPU tensors, where inductor's generated C++ did not build (H200 image, torch 2.11). Evaluate
-# without compiling, as on a machine without CUDA.
+# speculators compiles the drafter's forward whenever CUDA is available; evaluation drafts each
+# sample once, each of its own length (a compilation per shape), and on CPU tensors inductor's
+# generated C++ did not build (H200 image, torch 2.11). Evaluate without compiling.
 torch._dynamo.config.disable = True
 
 params = snakemake.params
-with logged(snakemake.log[0]):
+with logged(snakemake.log[0]), claim_gpus(snakemake.resources.gpu):
     layer_ids = read_json(snakemake.input.plan)["layer_ids"]
     views = {HELDOUT: Path(snakemake.input.heldout), "evaluation sets": Path(snakemake.input.evaluation)}
     for name, view in views.items():
         print(f"{check_view(view)} {name} files hold their rows' token ids")
     heldout = evaluation_samples(views[HELDOUT])[HELDOUT]
-    head = TargetHead(Path(snakemake.input.target))
+    head = TargetHead(Path(snakemake.input.target), params.device)
     results, drafters = {"draft_tokens": params.draft_tokens, "heldout_samples": len(heldout)}, {}
     for name, drafter_dir in (("trained", snakemake.input.drafter), ("untrained", snakemake.input.init)):
         check_layer_ids(read_json(Path(drafter_dir) / "config.json"), layer_ids, Path(drafter_dir))
-        drafters[name] = load_drafter(Path(drafter_dir), params.attention)
+        drafters[name] = load_drafter(Path(drafter_dir), params.attention).to(params.device)
     # the trained drafter on each set, the held-out slice first, at each K
     sets = {HELDOUT: (views[HELDOUT], heldout, params.served["requests"])}
     for name, samples in evaluation_samples(views["evaluation sets"]).items():
@@ -63,5 +67,7 @@ with logged(snakemake.log[0]):
     results["gate"] = gate(results, params.min_acceptance_length)
     write_json(snakemake.output.evaluation, results)
     plot_acceptance(results, Path(snakemake.output.plot))
+    shutil.rmtree(gate_evidence(Path(snakemake.output.evaluation)), ignore_errors=True)  # an earlier failure's
     if failure := gate_failure(results):
-        raise SystemExit(failure)
+        kept = keep_gate_evidence(results, Path(snakemake.output.evaluation), Path(snakemake.output.plot))
+        raise SystemExit(f"{failure} The evaluation, its plot and a report of why the gate failed stay in {kept}.")

@@ -6,6 +6,7 @@ and answers sampled at T are draws of serving there (issue 49)."""
 import pytest
 import torch
 
+from draftflow import evaluate
 from draftflow.evaluate import (
     GREEDY,
     acceptance_probability,
@@ -16,6 +17,8 @@ from draftflow.evaluate import (
     replayed_lengths,
     sampled_reach,
     summarize,
+    tensor_logits,
+    verifying_positions,
 )
 
 PROMPT = [11, 12, 13]
@@ -44,7 +47,7 @@ def drafts_that_know(logits: torch.Tensor, steps: int, wrong_starts: set[int]) -
 
 
 def greedy_lengths(ids, logits, drafts) -> torch.Tensor:
-    return chain_reach(acceptance_probability(logits, drafts, GREEDY), on_data(ids, drafts)).sum(0).long()
+    return chain_reach(acceptance_probability(tensor_logits(logits), len(logits), drafts, GREEDY), on_data(ids, drafts)).sum(0).long()
 
 
 def test_a_perfect_drafter_accepts_k_per_step_until_max_tokens_or_the_answers_end():
@@ -59,7 +62,7 @@ def test_the_replay_visits_only_the_starts_decoding_stands_on():
     ids, mask, logits = sample(list(range(1, 13)))  # 12 answer tokens, at positions 3..14
     # the chains at starts 2, 7 and 12 miss: 2 of the 9 full chains of every start
     drafts = drafts_that_know(logits, 3, {2, 7, 12})
-    reach = chain_reach(acceptance_probability(logits, drafts, GREEDY), on_data(ids, drafts))
+    reach = chain_reach(acceptance_probability(tensor_logits(logits), len(logits), drafts, GREEDY), on_data(ids, drafts))
     assert summarize(reach[:, assistant_starts(mask, 3)])["mean_acceptance_length"] == pytest.approx(1 + 7 * 3 / 9)
     # decoding stands on every miss: one emits one token, then a full chain emits four and
     # lands on the next miss (starts 2, 3, 7, 8, 12, then the answer's last token)
@@ -81,7 +84,7 @@ def test_at_a_temperature_a_draft_is_accepted_with_the_targets_probability_of_it
     ids, mask, logits = sample([1, 2, 3, 4, 5, 6])
     logits[3:6, 50] = 10 - torch.log(torch.tensor(3.0))  # a rival a third as likely as the greedy token, at T = 1
     drafts = drafts_that_know(logits, 2, set())
-    at_one = acceptance_probability(logits, drafts, {"temperature": 1.0})
+    at_one = acceptance_probability(tensor_logits(logits), len(logits), drafts, {"temperature": 1.0})
     greedy_share = 1 / (1 + 1 / 3 + (VOCAB - 2) * torch.exp(torch.tensor(-10.0)))
     assert at_one[0, 2] == pytest.approx(float(greedy_share), rel=1e-4)  # verified at position 3
     no_rival = 1 / (1 + (VOCAB - 1) * torch.exp(torch.tensor(-10.0)))
@@ -90,8 +93,8 @@ def test_at_a_temperature_a_draft_is_accepted_with_the_targets_probability_of_it
     reach = chain_reach(at_one, on_data(ids, drafts))
     assert reach[1, 2] == pytest.approx(float(greedy_share) ** 2, rel=1e-4)
     # top_k 1 (vLLM's cut) leaves the greedy token alone: accepted for sure, as at T = 0
-    assert acceptance_probability(logits, drafts, {"temperature": 1.0, "top_k": 1})[0, 2] == pytest.approx(1.0)
-    assert torch.equal(acceptance_probability(logits, drafts, GREEDY), (drafts >= 0).float() * (at_one > 0.5))
+    assert acceptance_probability(tensor_logits(logits), len(logits), drafts, {"temperature": 1.0, "top_k": 1})[0, 2] == pytest.approx(1.0)
+    assert torch.equal(acceptance_probability(tensor_logits(logits), len(logits), drafts, GREEDY), (drafts >= 0).float() * (at_one > 0.5))
 
 
 def test_answers_sampled_at_the_temperature_are_one_draw_of_serving():
@@ -102,3 +105,31 @@ def test_answers_sampled_at_the_temperature_are_one_draw_of_serving():
     assert lengths[2] == 1 and lengths[3] == 3
     # whatever the target's probabilities: only what was drawn counts
     assert replayed_lengths(lengths, mask, 64).tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, {"temperature": 0.7}, {"temperature": 1.0, "top_k": 5},
+                                      {"temperature": 0.8, "top_p": 0.9}, {"temperature": 1.0, "top_k": 20, "top_p": 0.95}])  # fmt: skip
+def test_the_targets_logits_taken_a_chunk_of_positions_at_a_time_weigh_drafts_as_the_whole_at_once(monkeypatch, sampling):
+    """Random logits and drafts over 37 positions: chunks of 8 (the last one short) give each
+    draft the probability a softmax of the whole [positions, vocabulary] cut by vLLM's own
+    apply_top_k_top_p gives it (what evaluation computed before it went chunk by chunk)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, VOCAB, generator=generator) * 3
+    drafts = torch.randint(0, VOCAB, (3, 36), generator=generator)
+    drafts[:, ::5] = logits.argmax(-1)[verifying_positions(drafts).clamp(max=36)][:, ::5]  # some greedy drafts
+    monkeypatch.setattr(evaluate, "POSITION_CHUNK", 8)
+    chunked = acceptance_probability(tensor_logits(logits), len(logits), drafts, sampling)
+    positions = verifying_positions(drafts)
+    inside = positions < len(logits)
+    if sampling["temperature"] == 0:
+        whole = (drafts == logits.argmax(-1)[positions.clamp(max=36)]).float() * inside
+    else:
+        rows = len(logits)
+        top_k, top_p = sampling.get("top_k"), sampling.get("top_p")
+        cut = apply_top_k_top_p(logits / sampling["temperature"], torch.full((rows,), top_k) if top_k else None,
+                                torch.full((rows,), top_p) if top_p else None)  # fmt: skip
+        whole = cut.softmax(-1)[positions.clamp(max=36), drafts] * inside
+    assert inside.sum() < inside.numel() and whole.sum() > 0
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-7)

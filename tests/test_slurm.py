@@ -32,7 +32,7 @@ from tests.conftest import REPO, SNAKEMAKE, copy_demo_run, demo_config, snakemak
 SLURM_SH = REPO / ".ci/slurm.sh"
 PROFILE = REPO / "profiles/slurm"
 FILL_INS = ("FILL_IN_PARTITION", "FILL_IN_ACCOUNT", "FILL_IN_GPU_MODEL")
-GPU_RULES = {"generate_server", "extract_server", "fidelity_reference", "fidelity", "serve_check", "train"}
+GPU_RULES = {"generate_server", "extract_server", "fidelity_reference", "fidelity", "serve_check", "train", "evaluate"}
 TIMINGS: dict[str, float] = {}
 
 pytestmark = pytest.mark.slow
@@ -335,8 +335,8 @@ def dry_run_resources(output: str) -> dict[str, list[dict[str, str]]]:
 
 def test_dry_run_with_the_slurm_profile_shows_gpu_counts_per_rule(tmp_path):
     """The 8-GPU example: vLLM servers take tensor parallel x data parallel GPUs, training
-    train.gpus, the fidelity reference transformers' one, the fidelity comparison (vLLM's
-    states from the files) none."""
+    train.gpus, the fidelity reference transformers' one and the evaluation one, the fidelity
+    comparison (vLLM's states from the files) none."""
     config = example_8gpu(tmp_path)
     process = run(
         [str(SNAKEMAKE), "-n", "--profile", str(PROFILE), "--snakefile", str(REPO / "Snakefile"),
@@ -360,7 +360,7 @@ def test_dry_run_with_the_slurm_profile_shows_gpu_counts_per_rule(tmp_path):
             if rule in expected:
                 assert int(job["gpu"]) == expected[rule] == 8, (rule, job)
                 assert (job["gpu_model"], job["cpus_per_gpu"]) == ("FILL_IN_GPU_MODEL", "8")
-            elif rule == "fidelity_reference":
+            elif rule in ("fidelity_reference", "evaluate"):
                 assert int(job["gpu"]) == 1, job
             else:
                 assert int(job.get("gpu", 0)) == 0, (rule, job)

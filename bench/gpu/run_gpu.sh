@@ -17,6 +17,9 @@
 #   bash bench/gpu/run_gpu.sh fp8                # extract.storage fp8 against bf16 (about 3 minutes; bench/gpu/fp8_bench.py)
 #   bash bench/gpu/run_gpu.sh fp8-train          # the Trainer on bf16 files, then on fp8 files (about 8 minutes)
 #   bash bench/gpu/run_gpu.sh workflow           # the demo workflow on the GPU (about 6 minutes; bench/gpu/workflow_gpu.sh)
+#   bash bench/gpu/run_gpu.sh train-key          # after workflow: train.lr edited, a kill inside an epoch and the rerun
+#                                                #   (bench/gpu/train_key_gpu.sh)
+#   bash bench/gpu/run_gpu.sh evaluate           # evaluation's weighing of drafts at real sizes (bench/evaluate_bench.py)
 #   bash bench/gpu/run_gpu.sh multi              # two GPUs against one: extraction and training (about 9.5 minutes on 2 H200s:
 #                                                #   DEADLINE=585; multi-extract and multi-train run one half; bench/gpu/multi_bench.py)
 #   bash bench/gpu/run_gpu.sh                    # extract + train (about 11 minutes: past one 10-minute command, so the
@@ -113,6 +116,13 @@ for part in "${parts[@]}"; do
         ;;
     workflow)
         timeout "$(left ${WORKFLOW_TIMEOUT:-480})" bash bench/gpu/workflow_gpu.sh "$OUT" || status=1
+        ;;
+    train-key)
+        # after `workflow` (same machine): train.lr edited, then a kill inside an epoch and the rerun
+        timeout "$(left ${TRAIN_KEY_TIMEOUT:-400})" bash bench/gpu/train_key_gpu.sh "$OUT" || status=1
+        ;;
+    evaluate)
+        timeout "$(left ${EVALUATE_TIMEOUT:-300})" python3 bench/evaluate_bench.py --device cuda --out "$OUT/evaluate.json" 2>&1 | tee "$OUT/evaluate.log" || status=1
         ;;
     multi | multi-extract | multi-train)
         # several GPUs: NVLink multicast stays off (it can take a shared host's GPUs out of service)
