@@ -6,7 +6,8 @@ time, a log-sum-exp and a gather).
 
 A synthetic head of a real shape (Qwen3's 151,936-token vocabulary, hidden 4,096) over an
 answer of 8,192 positions, K = 7 drafts, at temperature 0 and at temperature 1 with top_k 20
-(and top_p 0.95 where vLLM is installed: its cut needs it). Each case runs in a process of its
+(and top_p 0.95 where vLLM is installed: its cut needs it; without vLLM the whole way cuts top_k
+as draftflow does, by each row's k-th value, on every row at once). Each case runs in a process of its
 own; peak memory is that process's largest resident set on the CPU (the weights and states
 included, reported apart) and torch's largest allocation on CUDA. The two ways' probabilities
 are compared on every case both finish.
@@ -26,7 +27,7 @@ import time
 
 import torch
 
-from draftflow.evaluate import POSITION_CHUNK, acceptance_probability, verifying_positions
+from draftflow.evaluate import POSITION_CHUNK, acceptance_probability, cut_logits, verifying_positions
 
 SAMPLINGS = {"temperature 0": {"temperature": 0}, "temperature 1, top_k 20": {"temperature": 1.0, "top_k": 20},
              "temperature 1, top_k 20, top_p 0.95": {"temperature": 1.0, "top_k": 20, "top_p": 0.95}}  # fmt: skip
@@ -48,12 +49,15 @@ def whole_vocabulary(head, states, drafts, sampling) -> torch.Tensor:
     positions = positions.clamp(max=logits.shape[0] - 1).to(logits.device)
     if sampling["temperature"] == 0:
         return ((drafts.to(logits.device) == logits.argmax(-1)[positions]).float() * inside.to(logits.device)).cpu()
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+    if importlib.util.find_spec("vllm"):  # what evaluation called
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-    rows = logits.shape[0]
-    top_k, top_p = sampling.get("top_k"), sampling.get("top_p")
-    cut = apply_top_k_top_p(logits / sampling["temperature"], torch.full((rows,), top_k, device=logits.device) if top_k else None,
-                            torch.full((rows,), top_p, device=logits.device) if top_p else None)  # fmt: skip
+        rows = logits.shape[0]
+        top_k, top_p = sampling.get("top_k"), sampling.get("top_p")
+        cut = apply_top_k_top_p(logits / sampling["temperature"], torch.full((rows,), top_k, device=logits.device) if top_k else None,
+                                torch.full((rows,), top_p, device=logits.device) if top_p else None)  # fmt: skip
+    else:  # a machine without vLLM (the GPU machines lent here): the same top_k cut, on every row at once
+        cut = cut_logits(logits, sampling)
     return (cut.softmax(-1)[positions, drafts.to(logits.device)] * inside.to(logits.device)).cpu()
 
 

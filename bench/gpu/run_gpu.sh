@@ -122,7 +122,8 @@ for part in "${parts[@]}"; do
         timeout "$(left ${TRAIN_KEY_TIMEOUT:-400})" bash bench/gpu/train_key_gpu.sh "$OUT" || status=1
         ;;
     evaluate)
-        timeout "$(left ${EVALUATE_TIMEOUT:-300})" python3 bench/evaluate_bench.py --device cuda --out "$OUT/evaluate.json" 2>&1 | tee "$OUT/evaluate.log" || status=1
+        PYTHONPATH=$PWD:$PYTHONPATH timeout "$(left ${EVALUATE_TIMEOUT:-300})" python3 bench/evaluate_bench.py --device cuda \
+            --out "$OUT/evaluate.json" 2>&1 | tee "$OUT/evaluate.log" || status=1
         ;;
     multi | multi-extract | multi-train)
         # several GPUs: NVLink multicast stays off (it can take a shared host's GPUs out of service)
