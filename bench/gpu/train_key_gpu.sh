@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# speculators' Trainer on the GPU, in the workflow, after bench/gpu/workflow_gpu.sh's run (issue 57):
+# speculators' Trainer on the GPU, in the workflow, on RUN_DIR as bench/gpu/workflow_gpu.sh takes it
+# (the stages up to vocab_map made on a CPU machine), 2 epochs each (bench/gpu/demo-gpu-short.yaml)
+# (issue 57):
 #
+# 0. the demo's training (extraction, the untrained drafter and the views first);
 # 1. `train.lr` edited (bench/gpu/demo-gpu-lr.yaml): Snakemake reruns train and evaluate; the
 #    Trainer trains again from the untrained drafter (its log: the other key's checkpoints
 #    removed, no resume), and ships other weights than before;
-# 2. another learning rate with `train.checkpoint_every_steps: 3` (bench/gpu/demo-gpu-killed.yaml,
-#    a new key): killed (its process group) once the Trainer saved a checkpoint inside its second
-#    epoch, then rerun: it resumes from that checkpoint (its step records go on from there).
+# 2. another learning rate with `train.checkpoint_every_steps: 2` (bench/gpu/demo-gpu-killed.yaml,
+#    a new key): killed (its process group) once the Trainer saved a checkpoint inside an epoch,
+#    then rerun: it resumes from that checkpoint (its step records go on from there).
+# ONLY_KILL=1 runs the stages before training and step 2 alone.
 #
 # Each step prints the drafter's weight digest, the steps trained and what the log says of
 # resuming; the logs go to OUT_DIR.
@@ -22,35 +26,37 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # device: cpu), train forced to rerun; the config files after the targets
 sm() { python3 -m snakemake "$@" --cores "$(nproc)" --resources gpu=1 --rerun-triggers mtime --scheduler greedy \
     --forcerun train --configfile config/config.yaml bench/gpu/demo-gpu.yaml "${edit[@]}"; }
+# the stages that ran on the CPU machine marked complete (mtimes only), as workflow_gpu.sh does
+sm_touch=(python3 -m snakemake --cores 1 --configfile config/config.yaml bench/gpu/demo-gpu.yaml --touch vocab_map)
 drafter=results/gpu/drafter_trained/model.safetensors
 summary() {
     echo "$1: drafter sha256 $(sha256sum "$drafter" | cut -c1-16), steps $(python3 -c "import json; print(json.load(open('results/gpu/train/stats.json'))['steps'])"), \
 keys $(ls results/gpu/train/work | tr '\n' ' ')" | tee -a "$OUT/train-key.txt"
 }
-summary "as workflow_gpu.sh trained it (the demo's train.lr 0.002)"
+"${sm_touch[@]}" >>"$OUT/train-key.log" 2>&1
+if [ -z "${ONLY_KILL:-}" ]; then
+edit=(bench/gpu/demo-gpu-short.yaml)
+sm train >>"$OUT/train-key.log" 2>&1 || exit 1
+summary "the demo's train.lr 0.002"
 
 echo "## 1. train.lr edited" >>"$OUT/train-key.log"
 started=$(date +%s)
-edit=(bench/gpu/demo-gpu-lr.yaml)
-sm evaluate >>"$OUT/train-key.log" 2>&1 || exit 1
-echo "train.lr edited: train and evaluate reran in $(($(date +%s) - started)) s" | tee -a "$OUT/train-key.txt"
+edit=(bench/gpu/demo-gpu-short.yaml bench/gpu/demo-gpu-lr.yaml)
+sm train >>"$OUT/train-key.log" 2>&1 || exit 1
+echo "train.lr edited: train reran in $(($(date +%s) - started)) s" | tee -a "$OUT/train-key.txt"
 grep -E "training key|removing|resum|Fast-skipping" logs/gpu/train.log | tee -a "$OUT/train-key.txt"
 summary "train.lr 0.001"
+fi
 
-echo "## 2. killed inside its second epoch, then rerun" >>"$OUT/train-key.log"
-edit=(bench/gpu/demo-gpu-killed.yaml)
+echo "## 2. killed inside an epoch, then rerun" >>"$OUT/train-key.log"
+edit=(bench/gpu/demo-gpu-short.yaml bench/gpu/demo-gpu-killed.yaml)
 set -m  # the run in a process group of its own (its pid), which the kill takes whole
 sm train >>"$OUT/train-key.log" 2>&1 &
 run=$!
 set +m
-mid_epoch() {
-    python3 - <<'EOF'
-import glob, json, sys
-states = [json.load(open(p)) for p in glob.glob("results/gpu/train/work/*/checkpoints/*/training_state.json")]
-sys.exit(0 if any(s["epoch"] >= 1 and s["local_step"] > 0 for s in states) else 1)
-EOF
-}
-for _ in $(seq 600); do mid_epoch && break; kill -0 $run 2>/dev/null || break; sleep 0.5; done
+# a checkpoint inside an epoch: training_state.json with a local step above 0 (0: an epoch's end)
+mid_epoch() { grep -qsE '"local_step": [1-9]' results/gpu/train/work/*/checkpoints/*/training_state.json; }
+for _ in $(seq 3000); do mid_epoch && break; kill -0 $run 2>/dev/null || break; sleep 0.1; done
 kill -9 -- -$run 2>/dev/null  # Snakemake, the job, torchrun and its workers
 wait $run 2>/dev/null
 echo "killed at: $(cat results/gpu/train/work/*/checkpoints/*/training_state.json | tr '\n' ' ')" | tee -a "$OUT/train-key.txt"
@@ -64,5 +70,5 @@ steps = [json.loads(line)["step"] for line in open(glob.glob("results/gpu/train/
 before = int(sys.argv[1])
 print(f"step records: {before} before the kill (last {steps[before - 1]}), then from {steps[before]} to {steps[-1]}")
 EOF
-summary "train.lr 0.0015, checkpoint every 3 steps, killed and resumed"
+summary "train.lr 0.0015, checkpoint every 2 steps, killed and resumed"
 cp logs/gpu/train.log "$OUT/train-resumed.log"

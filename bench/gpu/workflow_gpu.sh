@@ -12,7 +12,7 @@
 #    only) and runs the rest with the GPU config: extract_plan, extract_server
 #    (transformers backend, bf16, on the GPU), extract, drafter_init,
 #    train_views, train (speculators' Trainer under torchrun, 1 GPU) and
-#    evaluate (the acceptance gate, on the CPU as everywhere). fidelity, serve_check, report and
+#    evaluate (the acceptance gate, on the GPU with device: cuda). fidelity, serve_check, report and
 #    provenance need vLLM's outputs and are not targeted;
 #    bench/gpu/workflow_report.py writes the per-stage table instead.
 #
