@@ -39,6 +39,11 @@ def set_rows(evaluation: dict, served: dict | None) -> list[dict]:
     return rows
 
 
+def shares_text(shares: list[float]) -> str:
+    """Acceptance through each position, as percentages: "78%, 62%, 52%"."""
+    return ", ".join(f"{100 * share:.0f}%" for share in shares)
+
+
 def number(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
@@ -48,7 +53,7 @@ def sets_table(evaluation: dict, served: dict | None) -> list[str]:
     lines = ["| set | samples | K | τ served (vLLM) | τ offline, decoding replay | τ offline, every position | "
              "accepted through position 1..K |", "|" + " --- |" * 7]  # fmt: skip
     for row in set_rows(evaluation, served):
-        through = ", ".join(f"{100 * a:.0f}%" for a in row["acceptance_per_position"])
+        through = shares_text(row["acceptance_per_position"])
         lines.append(f"| {row['set']} | {row['samples']} | {row['k']} | {number(row['served'])} | "
                      f"{number(row['decoding_replay'])} | {number(row['every_position'])} | {through} |")  # fmt: skip
     return lines

@@ -32,7 +32,7 @@ import torch
 from datasets import load_from_disk
 from safetensors import safe_open
 
-from draftflow.acceptance_tables import sets_table
+from draftflow.acceptance_tables import sets_table, shares_text
 from draftflow.extract.hidden_states import read_hidden_states
 from draftflow.extract.layout import view_file_name
 from draftflow.io import atomic_path, write_json
@@ -154,12 +154,12 @@ def acceptance_probability(logits_of, length: int, drafts: torch.Tensor, samplin
         if not chunk.any():
             continue
         logits = logits_of(start, min(start + POSITION_CHUNK, length))
-        rows, tokens = positions[chunk] - start, drafts[chunk].to(logits.device)
+        rows, tokens = (positions[chunk] - start).to(logits.device), drafts[chunk].to(logits.device)
         if sampling["temperature"] == 0:
-            accepted[chunk] = (logits.argmax(-1)[rows.to(logits.device)] == tokens).float().cpu()
+            accepted[chunk] = (logits.argmax(-1)[rows] == tokens).float().cpu()
         else:
             cut = cut_logits(logits, sampling)
-            logp = cut[rows.to(logits.device), tokens.clamp(min=0)] - cut.logsumexp(-1)[rows.to(logits.device)]
+            logp = cut[rows, tokens.clamp(min=0)] - cut.logsumexp(-1)[rows]
             accepted[chunk] = (logp.exp() * (tokens >= 0)).float().cpu()
     return accepted
 
@@ -394,8 +394,7 @@ def keep_gate_evidence(results: dict, evaluation_output: Path, plot: Path) -> Pa
         lines = [
             "# The evaluation gate failed", "", gate_failure(results), "",
             "| drafter | mean acceptance length | accepted through position 1..K |", "| --- | --- | --- |",
-            *(f"| {name} | {numbers['mean_acceptance_length']:.3f} | "
-              f"{', '.join(f'{100 * a:.0f}%' for a in numbers['acceptance_per_position'])} |"
+            *(f"| {name} | {numbers['mean_acceptance_length']:.3f} | {shares_text(numbers['acceptance_per_position'])} |"
               for name, numbers in (("trained", trained), ("untrained", untrained))),
             "", "Every evaluation set at each K, offline (nothing was served: serve_check runs after the gate):", "",
             *sets_table(results, None), "",
