@@ -1,25 +1,39 @@
-"""Identities of a target model folder: what its outputs depend on, cheap to compute.
+"""Identities of a target model folder: what its outputs depend on.
 
 Three parts, so that each stage keys only what changes its bytes
 (``draftflow.dependencies``):
 
 - the **model**: ``config.json``, the weight index, and each weight file by
-  name, size, safetensors header and sampled bytes of its tensor data (no full
-  hash: a 2 TB checkpoint reads in seconds, not hours);
+  name and the sha256 of all its bytes;
 - the **tokenizer**: its files and the chat template transformers 5 saves
   beside them (``chat_template.jinja``);
-- for a snapshot of the hub cache, its id and commit (in both).
+- for a snapshot of the hub cache, its id and commit (in both); the commit
+  names its weights' bytes (the cache's blobs are never written over), so a
+  snapshot's weight files are not read.
 
-Paths and mtimes are left out: a copied or moved folder is the same target.
+A weight file is read whole once per change: its hash is kept in draftflow's
+cache (``vllm_registry.cache_dir()``, ``weight-sha256/``) under its device,
+inode, size and mtime, so an unchanged target costs a ``stat`` per file, and
+a write (which moves the mtime) or another file (another inode) is hashed
+again. Any edit is seen, one tensor or one byte: sampling the bytes missed
+edits of part of a file (issue 60). Paths and mtimes are left out of the
+identities: a copied or moved folder is the same target, after one hash.
+
+Standard library only at import (tqdm when a large target is hashed):
+Snakemake's parse reads it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import struct
+import os
+import time
 from pathlib import Path
 
+from draftflow.io import write_text
 from draftflow.target_source import snapshot_identity
+from draftflow.vllm_registry import cache_dir
 
 MODEL_FILES = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = (
@@ -30,16 +44,23 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-# Bytes read from each weight file's tensor data, at evenly spread offsets: a fine-tuned
-# checkpoint saved over the old one changes (almost) every weight, so every sample.
-WEIGHT_SAMPLES, WEIGHT_SAMPLE_BYTES = 8, 4096
+WEIGHT_DIGESTS = "weight-sha256"  # the cache's folder of weight files' hashes, one small file each
+# Weight bytes not yet hashed above which hashing shows a bar and the plan says it reads them
+# (half a second at 2 GB/s: less passes unremarked).
+LARGE_HASH_BYTES = 1 << 30
+# A file written this shortly before it is hashed is not cached: a second write within the
+# file system's timestamp tick (coarse on some) would leave its stat as it was (git's "racy" files).
+RACY_WRITE_NS = 2 * 10**9
 
 
-def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+def file_sha256(path: str | Path, chunk: int = 1 << 20, progress=None) -> str:
+    """sha256 of ``path``'s bytes; ``progress`` (a tqdm bar) counts them as they are read."""
     digest = hashlib.sha256()
     with Path(path).open("rb") as stream:
         while block := stream.read(chunk):
             digest.update(block)
+            if progress is not None:
+                progress.update(len(block))
     return digest.hexdigest()
 
 
@@ -49,23 +70,52 @@ def files_digest(folder: Path, names: tuple[str, ...], digest) -> None:
             digest.update(f"{name}:{file_sha256(path)}\n".encode())
 
 
-def weight_file_digest(path: Path) -> str:
-    """Name-free digest of a weight file: its size, its safetensors header (every tensor's
-    name, dtype, shape and offsets) and WEIGHT_SAMPLES spread samples of its data."""
-    digest = hashlib.sha256()
-    size = path.stat().st_size
-    digest.update(f"{size}\n".encode())
-    with path.open("rb") as stream:
-        data_start = 0
-        if path.suffix == ".safetensors" and size >= 8:
-            (header_length,) = struct.unpack("<Q", stream.read(8))
-            data_start = min(8 + header_length, size)
-            digest.update(stream.read(data_start - 8))
-        span = max(size - data_start - WEIGHT_SAMPLE_BYTES, 0)
-        for k in range(WEIGHT_SAMPLES):
-            stream.seek(data_start + span * k // max(WEIGHT_SAMPLES - 1, 1))
-            digest.update(stream.read(WEIGHT_SAMPLE_BYTES))
-    return digest.hexdigest()
+def weight_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def cache_entry(stat: os.stat_result) -> Path:
+    """Where a weight file's hash is kept: named by what the file system says of it, so
+    that a write (a new mtime or size) or another file (a new inode) finds no entry."""
+    return cache_dir() / WEIGHT_DIGESTS / f"{stat.st_dev}-{stat.st_ino}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def uncached_weight_bytes(model_dir: str | Path) -> int:
+    """Bytes the next identity of ``model_dir`` reads: its weight files not hashed since
+    they last changed (none in a hub snapshot)."""
+    folder = Path(model_dir)
+    if snapshot_identity(folder):
+        return 0
+    stats = [path.stat() for path in weight_files(folder)]
+    return sum(stat.st_size for stat in stats if not cache_entry(stat).exists())
+
+
+def weight_file_digest(path: Path, progress=None) -> str:
+    """sha256 of all of ``path``'s bytes, from the cache while the file is unchanged."""
+    # Stat before reading: a write while the file is read moves its mtime, so the next call hashes again.
+    now, stat = time.time_ns(), path.stat()
+    entry = cache_entry(stat)
+    if entry.exists():
+        return entry.read_text()
+    digest = file_sha256(path, progress=progress)
+    if now - stat.st_mtime_ns > RACY_WRITE_NS:
+        write_text(entry, digest)  # atomic: two processes hashing one file write the same entry
+    return digest
+
+
+def hashing_progress(total: int):
+    """A bar on stderr while ``total`` weight bytes are hashed, where that takes a while."""
+    if total <= LARGE_HASH_BYTES:
+        return contextlib.nullcontext()
+    from tqdm import tqdm  # here: only a large hash draws, and the parse imports this module
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="hashing the target's weights (once; cached after)")
+
+
+def weights_digest(folder: Path, digest) -> None:
+    with hashing_progress(uncached_weight_bytes(folder)) as progress:
+        for path in weight_files(folder):
+            digest.update(f"{path.name}:{weight_file_digest(path, progress)}\n".encode())
 
 
 def identity(model_dir: str | Path, files: tuple[str, ...], weights: bool) -> str:
@@ -75,13 +125,13 @@ def identity(model_dir: str | Path, files: tuple[str, ...], weights: bool) -> st
     if hub := snapshot_identity(folder):
         digest.update(f"hub:{hub}\n".encode())
     files_digest(folder, files, digest)
-    for path in sorted(p for p in folder.iterdir() if weights and p.suffix in WEIGHT_SUFFIXES and p.is_file()):
-        digest.update(f"{path.name}:{weight_file_digest(path)}\n".encode())
+    if weights and not hub:  # a snapshot's commit stands for its weights
+        weights_digest(folder, digest)
     return digest.hexdigest()
 
 
 def model_identity(model_dir: str | Path) -> str:
-    """What the target computes: its config, its weights (sampled, above) and its hub commit."""
+    """What the target computes: its config, its weights (hashed whole, above) and its hub commit."""
     return identity(model_dir, MODEL_FILES, weights=True)
 
 

@@ -14,7 +14,10 @@ journal vouches for: an edit is planned as the rerun it causes. Where the
 prompt files cannot be read (a plan made away from the data), counts come
 from the stage outputs' stats. Rates come from an earlier run (its ``benchmarks/``
 and stage outputs), a rates file (the fields of :class:`Rates`) or
-:data:`DEFAULT_RATES`. Standard library and PyYAML only.
+:data:`DEFAULT_RATES`. The plan keys answers by the target's identity
+(``draftflow.fingerprint``), so it hashes weights edited since their last hash,
+and warns where that reads more than a GiB. Standard library and PyYAML only
+(tqdm for that hash's bar).
 
 Exit codes as the progress check's: 0 fits, 3 will not fit; 1 when a file it
 needs is missing, 2 for bad arguments.
@@ -54,6 +57,7 @@ from draftflow.extract import layout
 from draftflow.extract.fidelity import decide_for_config, fidelity_jobs
 from draftflow.extract.layout import ExtractionSettings, Sample
 from draftflow.dependencies import run_extraction_settings, run_generation_key
+from draftflow.fingerprint import LARGE_HASH_BYTES, uncached_weight_bytes
 from draftflow.gpus import local_gpu_count
 from draftflow.io import iter_jsonl, read_json, write_text
 from draftflow.job_placement import concurrent_servers, server_gpus
@@ -393,6 +397,7 @@ def build_plan(config: dict, run_dir: Path, rates: Rates, free_bytes: int | None
     checked = decide_for_config(config, target.weight_bytes).check
     layer_ids = resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
     num_layer_ids = len(layer_ids)
+    unhashed = uncached_weight_bytes(target.folder)  # counted before token_counts hashes them (the answers' key)
     work = token_counts(config, run_dir, rates, target, layer_ids)
     views = round(rates.prepared_bytes_per_token * work["tokens"])
     later, at_peak = (later_stage_bytes(config, target, num_layer_ids, views, peak=peak) for peak in (False, True))
@@ -401,7 +406,7 @@ def build_plan(config: dict, run_dir: Path, rates: Rates, free_bytes: int | None
     peak = total + sum(at_peak.values()) - sum(later.values())
     disk = run_dir if run_dir.exists() else Path.cwd()
     free = shutil.disk_usage(disk).free if free_bytes is None else free_bytes
-    warnings = plan_warnings(config, work, stages, peak, free, local_gpus)
+    warnings = plan_warnings(config, work, stages, peak, free, local_gpus) + hashing_warning(unhashed)
     return Plan(
         run=config["run"],
         tokens=work,
@@ -442,6 +447,14 @@ def plan_warnings(config: dict, work: dict, stages: list[Stage], peak: int, free
         if node is not None and stage.gpus_per_job > node:
             warnings.append(f"{stage.name}: {stage.gpus_per_job} GPUs per job, but a node here has {node}")
     return warnings
+
+
+def hashing_warning(unhashed_bytes: int) -> list[str]:
+    """Word of a large target read whole now (draftflow.fingerprint): its weights not hashed since they last changed."""
+    if unhashed_bytes <= LARGE_HASH_BYTES:
+        return []
+    return [f"hashing {fmt_bytes(unhashed_bytes)} of the target's weights once, to see any edit of them "
+            "(cached after: later plans and runs read none of them)"]  # fmt: skip
 
 
 def write_plan(config: dict, target: Path, run_dir: Path, local_gpus: int | None) -> Plan | None:

@@ -71,9 +71,13 @@ def vllm_build() -> str | None:
 CACHE_DIR_ENV = "DRAFTFLOW_CACHE_DIR"
 
 
+def cache_dir() -> Path:
+    """draftflow's cache: ``$DRAFTFLOW_CACHE_DIR``, else ``draftflow`` in ``$XDG_CACHE_HOME`` or ``~/.cache``."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftflow")
+
+
 def cache_path() -> Path:
-    cache = os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftflow"
-    return Path(cache) / "vllm-architectures.json"
+    return cache_dir() / "vllm-architectures.json"
 
 
 def architecture_support(architectures: list[str], build: str) -> dict[str, ArchitectureSupport]:

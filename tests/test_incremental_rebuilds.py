@@ -5,7 +5,8 @@ or fewer samples, a prompt file added or edited in place, another temperature, a
 shorter ``prepare.max_seq_length`` (each also run in a fresh folder: clean), and
 edits of what the data is made with (issue 42): the target's
 ``chat_template.jinja`` edited, ``--chat-template`` added to ``vllm.extra_args``,
-the target's weights replaced by others of the same shapes. Each edit runs on a
+one tensor of the target's weight file edited in place (issue 60: one norm
+scaled, the file saved over the old one, its size unchanged). Each edit runs on a
 copy of the start run's folder with its Snakemake records (incremental: what a
 user's second run does); the target is a folder inside it (``target.path:
 target``), edited in place there, so the copy is also a moved run and target.
@@ -69,7 +70,7 @@ EDITS = ("num_samples_grown", "num_samples_shrunk", "prompt_file_added", "prompt
          "temperature_changed", "max_seq_length_lowered")  # fmt: skip
 # edits of what the data is made with: checked for what they redo and for the files training
 # would read (run up to the training views), not against a clean run
-TARGET_EDITS = ("chat_template_edited", "chat_template_flag_added", "weights_replaced")
+TARGET_EDITS = ("chat_template_edited", "chat_template_flag_added", "one_tensor_edited")
 TEMPLATE_EDITS = ("chat_template_edited", "chat_template_flag_added")  # asked of the module's second server
 EDITS_RUN_TO_EVALUATION = ("num_samples_grown",)  # the others stop at the training views
 # edits after which generation answers every conversation again (another answer store)
@@ -185,7 +186,7 @@ def edit_overrides(edit: str, lab: Path, start: Path) -> dict:
         return {}
     if edit == "temperature_changed":
         return {"generate": {"temperature": 0.8}}
-    if edit in ("chat_template_edited", "weights_replaced"):
+    if edit in ("chat_template_edited", "one_tensor_edited"):
         return {}
     if edit == "chat_template_flag_added":
         return {"vllm": {"extra_args": ["--chat-template", str(lab / TEMPLATE)]}}
@@ -224,9 +225,18 @@ def edit_in_place(edit: str, lab: Path, folder: Path, start: Path) -> None:
         edit_two_questions(folder / PROMPTS, list(asked_conversations(start))[:2])
     elif edit == "chat_template_edited":
         shutil.copy(lab / TEMPLATE, folder / TARGET / "chat_template.jinja")
-    elif edit == "weights_replaced":  # a fine-tune saved over the old weights: same names and shapes
-        build_twin("qwen3_moe", lab / "other-weights", seed=1)
-        shutil.copy(lab / "other-weights/model.safetensors", folder / TARGET / "model.safetensors")
+    elif edit == "one_tensor_edited":  # a fix of one norm saved over the old file: names, shapes, dtypes kept
+        edit_one_tensor(folder / TARGET / "model.safetensors", "model.layers.0.input_layernorm.weight")
+
+
+def edit_one_tensor(weights: Path, name: str) -> None:
+    """``name`` scaled by 1.01 in the file ``weights``, written over it with its metadata: a
+    few bytes of the file change, none of its size."""
+    with safe_open(str(weights), "pt") as stream:
+        metadata = stream.metadata()
+    tensors = load_file(weights)
+    tensors[name] = tensors[name] * 1.01
+    save_file(tensors, weights, metadata=metadata)
 
 
 def run_edit(edit: str, lab: Path, server: str, start: Path, clean: bool) -> dict:
@@ -300,7 +310,7 @@ def test_generation_asked_and_extraction_computed_exactly_what_the_edit_made_new
         assert ("1 other answer store(s) beside it" in generate) == (edit in NEW_ANSWER_STORE)
 
     old_rows, new_rows = prepared_rows(start), prepared_rows(run)
-    changed = {s for s, ids in new_rows.items() if old_rows.get(s) != ids or edit == "weights_replaced"}
+    changed = {s for s, ids in new_rows.items() if old_rows.get(s) != ids or edit == "one_tensor_edited"}
     extracted = sum(int(n) for n in re.findall(r"samples already on disk, (\d+) to extract", log(run, "extract_server-0")))
     assert extracted == len(changed)
     hs_before, hs_now = results(start) / "hidden_states", results(run) / "hidden_states"
