@@ -39,14 +39,20 @@ def files_under(results: Path) -> set[str]:
 
 
 def assert_same_files(
-    first: Path, second: Path, renames: dict[bytes, bytes] | None = None, *, stages_of_first_only: bool = False
+    first: Path,
+    second: Path,
+    renames: dict[bytes, bytes] | None = None,
+    *,
+    stages_of_first_only: bool = False,
+    left_out: tuple[str, ...] = (),
 ) -> set[str]:
     """Assert that two runs' ``results/<run>`` hold the same files with the same content
     (``renames``: bytes of ``second`` that name its own place, as ``first`` names it);
     the names compared. ``stages_of_first_only``: ``second`` is an earlier run's folder
     rerun to a nearer target, so its stage folders that ``first`` lacks hold that run's
-    files and are left out; within every other stage each file counts."""
-    compared = lambda results: {n for n in files_under(results) if not any(fnmatch(n, p) for p in NOT_COMPARED)}  # noqa: E731
+    files and are left out; within every other stage each file counts. ``left_out``:
+    patterns of files that only ``first`` was run to make."""
+    compared = lambda results: {n for n in files_under(results) if not any(fnmatch(n, p) for p in (*NOT_COMPARED, *left_out))}  # noqa: E731
     names, theirs = compared(first), compared(second)
     if stages_of_first_only:
         stages = {Path(name).parts[0] for name in names}
