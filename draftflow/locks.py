@@ -93,14 +93,16 @@ def resolve(python: str, requirements: list[str], constraints: list[str] = ()) -
     """What pip's resolver would install for ``python`` from the default index.
 
     A dry run: metadata is read (wheels downloaded where the index has no
-    separate metadata), nothing is installed. Returns name -> version.
+    separate metadata), nothing is installed. Returns name -> version. The pip
+    of this environment (the Makefile's PIP_VERSION) runs it, on ``python``
+    (``pip --python``): another interpreter's own pip may be years older.
     """
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "requirements.txt").write_text("\n".join(requirements) + "\n")
         (tmp / "constraints.txt").write_text("\n".join(constraints) + "\n")
         process = subprocess.run(
-            [python, "-m", "pip", "install", "--dry-run", "--ignore-installed",
+            [sys.executable, "-m", "pip", "--python", python, "install", "--dry-run", "--ignore-installed",
              "--report", str(tmp / "report.json"),
              "-r", str(tmp / "requirements.txt"), "-c", str(tmp / "constraints.txt")],
             capture_output=True, text=True, env=default_index_environment(),
