@@ -93,7 +93,9 @@ def architecture_support(architectures: list[str], build: str) -> dict[str, Arch
         )
         if asked.returncode != 0:
             raise RuntimeError(f"asking {build} about {', '.join(missing)} failed:\n{asked.stderr[-3000:]}")
-        answers = json.loads(asked.stdout.splitlines()[-1])
-        cached |= {f"{build}|{a}": answer for a, answer in answers.items()}
+        answers = {f"{build}|{a}": answer for a, answer in json.loads(asked.stdout.splitlines()[-1]).items()}
+        # read again: another process (a parallel job, a second run) may have added its answers
+        # meanwhile, which writing ours over the file read before would drop
+        cached |= (json.loads(path.read_text()) if path.exists() else {}) | answers
         write_json(path, cached)
     return {a: ArchitectureSupport(**cached[f"{build}|{a}"]) for a in architectures}
