@@ -80,14 +80,17 @@ def cache_entry(stat: os.stat_result) -> Path:
     return cache_dir() / WEIGHT_DIGESTS / f"{stat.st_dev}-{stat.st_ino}-{stat.st_size}-{stat.st_mtime_ns}"
 
 
+def unhashed_bytes(files: list[Path]) -> int:
+    """Bytes of ``files`` not hashed since they last changed."""
+    stats = [path.stat() for path in files]
+    return sum(stat.st_size for stat in stats if not cache_entry(stat).exists())
+
+
 def uncached_weight_bytes(model_dir: str | Path) -> int:
     """Bytes the next identity of ``model_dir`` reads: its weight files not hashed since
     they last changed (none in a hub snapshot)."""
     folder = Path(model_dir)
-    if snapshot_identity(folder):
-        return 0
-    stats = [path.stat() for path in weight_files(folder)]
-    return sum(stat.st_size for stat in stats if not cache_entry(stat).exists())
+    return 0 if snapshot_identity(folder) else unhashed_bytes(weight_files(folder))
 
 
 def weight_file_digest(path: Path, progress=None) -> str:
@@ -113,8 +116,9 @@ def hashing_progress(total: int):
 
 
 def weights_digest(folder: Path, digest) -> None:
-    with hashing_progress(uncached_weight_bytes(folder)) as progress:
-        for path in weight_files(folder):
+    files = weight_files(folder)
+    with hashing_progress(unhashed_bytes(files)) as progress:
+        for path in files:
             digest.update(f"{path.name}:{weight_file_digest(path, progress)}\n".encode())
 
 

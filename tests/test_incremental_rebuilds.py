@@ -49,7 +49,7 @@ from draftflow.run_folder import STAGE
 from draftflow.vllm_server import server_env, target_server_args, vllm_server
 from tests.compare import assert_same_files
 from tests.conftest import config_file, demo_config, plan_before_running, snakemake
-from tests.twins import build_twin
+from tests.twins import build_twin, edit_one_tensor
 
 pytestmark = pytest.mark.slow
 
@@ -229,15 +229,6 @@ def edit_in_place(edit: str, lab: Path, folder: Path, start: Path) -> None:
     elif edit == "one_tensor_edited":  # a fix of one norm saved over the old file: names, shapes, dtypes kept
         edit_one_tensor(folder / TARGET / "model.safetensors", "model.layers.0.input_layernorm.weight")
 
-
-def edit_one_tensor(weights: Path, name: str) -> None:
-    """``name`` scaled by 1.01 in the file ``weights``, written over it with its metadata: a
-    few bytes of the file change, none of its size."""
-    with safe_open(str(weights), "pt") as stream:
-        metadata = stream.metadata()
-    tensors = load_file(weights)
-    tensors[name] = tensors[name] * 1.01
-    save_file(tensors, weights, metadata=metadata)
 
 
 def run_edit(edit: str, lab: Path, server: str, start: Path, clean: bool) -> dict:
