@@ -89,29 +89,35 @@ def default_index_environment() -> dict[str, str]:
     return env
 
 
-def resolve(python: str, requirements: list[str], constraints: list[str] = ()) -> dict[str, str]:
-    """What pip's resolver would install for ``python`` from the default index.
-
-    A dry run: metadata is read (wheels downloaded where the index has no
-    separate metadata), nothing is installed. Returns name -> version. The pip
-    of this environment (the Makefile's PIP_VERSION) runs it, on ``python``
-    (``pip --python``): another interpreter's own pip may be years older.
-    """
+def dry_run_report(install_args: list[str], python: str | None = None) -> list[dict]:
+    """What ``pip install --dry-run --ignore-installed install_args`` would install (for
+    ``python``, through ``pip --python``, where given): its report's entries, pip's
+    configuration cleared (what a user's pip sees). The pip of this environment (the
+    Makefile's PIP_VERSION) runs it: another interpreter's own pip may be years older."""
+    target = ["--python", python] if python else []
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        (tmp / "requirements.txt").write_text("\n".join(requirements) + "\n")
-        (tmp / "constraints.txt").write_text("\n".join(constraints) + "\n")
+        report = Path(tmp) / "report.json"
         process = subprocess.run(
-            [sys.executable, "-m", "pip", "--python", python, "install", "--dry-run", "--ignore-installed",
-             "--report", str(tmp / "report.json"),
-             "-r", str(tmp / "requirements.txt"), "-c", str(tmp / "constraints.txt")],
+            [sys.executable, "-m", "pip", *target, "install", "--dry-run", "--ignore-installed",
+             "--report", str(report), *install_args],
             capture_output=True, text=True, env=default_index_environment(),
         )  # fmt: skip
         if process.returncode != 0:
             output = process.stdout + process.stderr
-            raise LockError(f"pip ({python}) cannot resolve the set:\n{output[-4000:]}")
-        report = json.loads((tmp / "report.json").read_text())
-    return {item["metadata"]["name"]: item["metadata"]["version"] for item in report["install"]}
+            raise LockError(f"pip ({python or sys.executable}) cannot resolve the set:\n{output[-4000:]}")
+        return json.loads(report.read_text())["install"]
+
+
+def resolve(python: str, requirements: list[str], constraints: list[str] = ()) -> dict[str, str]:
+    """What pip's resolver would install for ``python`` (run as ``pip --python``) from the
+    default index: name -> version. Metadata is read (wheels downloaded where the index has
+    no separate metadata), nothing is installed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "requirements.txt").write_text("\n".join(requirements) + "\n")
+        (tmp / "constraints.txt").write_text("\n".join(constraints) + "\n")
+        installs = dry_run_report(["-r", str(tmp / "requirements.txt"), "-c", str(tmp / "constraints.txt")], python)
+    return {item["metadata"]["name"]: item["metadata"]["version"] for item in installs}
 
 
 def data_packages() -> list[str]:

@@ -31,6 +31,8 @@ import venv
 from importlib import metadata
 from pathlib import Path
 
+from draftflow import locks  # the standard library only, as `describe` on the node needs
+
 # What vLLM declares but imports only where draftflow never goes (read in vllm 0.26.0's
 # source, 2026-12-05: lazily, or behind an availability check): 560 MB of the 917 MB set.
 OPTIONAL = {
@@ -58,10 +60,6 @@ SOURCE_ONLY = ("connection-pool",)
 OLDEST_MANYLINUX = 17  # manylinux_2_17 (manylinux2014): the oldest glibc wheels still target
 
 
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def describe() -> dict:
     """This machine as the wheelhouse needs it: Python, platform, glibc, its distributions."""
     libc, libc_version = platform.libc_ver()
@@ -69,7 +67,7 @@ def describe() -> dict:
         "python": "%d.%d" % sys.version_info[:2],
         "machine": platform.machine(),
         "libc": f"{libc} {libc_version}".strip(),
-        "packages": {canonical(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]},
+        "packages": {locks.canonical(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]},
     }
 
 
@@ -86,45 +84,30 @@ def platform_tags(node: dict) -> list[str]:
 
 def requirements_for(node: dict) -> list[str]:
     """pyproject's CUDA set, torch at the node's release and vLLM free to follow it."""
-    from draftflow import locks
-
     torch = node["packages"].get("torch")
     if torch is None:
         raise SystemExit("the node has no torch: install its CUDA build there first (it must match the node's driver)")
     release = torch.split("+")[0]
     pinned = {"torch": f"torch=={release}", "vllm": "vllm"}
-    return [pinned.get(canonical(re.split(r"[=<>!~ ]", line)[0]), line) for line in locks.direct_requirements("cuda")]
-
-
-def pip(*args: str) -> subprocess.CompletedProcess:
-    """This environment's pip, its configuration cleared (what a user's pip sees)."""
-    from draftflow import locks
-
-    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, env=locks.default_index_environment())
+    return [pinned.get(locks.canonical(re.split(r"[=<>!~ ]", line)[0]), line) for line in locks.direct_requirements("cuda")]
 
 
 def build_source_only(folder: Path) -> None:
-    from draftflow import locks
-
     pins = locks.read_lock(locks.lock_path("cpu"))
     for name in SOURCE_ONLY:
-        built = pip("wheel", "-q", "--no-deps", "-w", str(folder), f"{name}=={pins[name]}")
+        built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(folder), f"{name}=={pins[name]}"],
+                               capture_output=True, text=True, env=locks.default_index_environment())  # fmt: skip
         if built.returncode != 0:
             raise SystemExit(f"cannot build {name}'s wheel:\n{built.stderr[-2000:]}")
 
 
 def resolve(node: dict, requirements: list[str], find_links: Path, *options: str) -> list[dict]:
     """pip's resolution of ``requirements`` for the node (a dry run): name, version, URL each."""
+    tags = [arg for tag in platform_tags(node) for arg in ("--platform", tag)]
     with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-        tags = [arg for tag in platform_tags(node) for arg in ("--platform", tag)]
-        process = pip("install", "--dry-run", "--ignore-installed", "--report", str(report), "--only-binary=:all:",
-                      "--python-version", node["python"], "--implementation", "cp", *tags, "--target", str(Path(tmp) / "t"),
-                      "--find-links", str(find_links), *options, *requirements)  # fmt: skip
-        if process.returncode != 0:
-            raise SystemExit(f"pip cannot resolve the CUDA set for this node:\n{process.stderr[-4000:]}")
-        installs = json.loads(report.read_text())["install"]
-    return [{"name": canonical(item["metadata"]["name"]), "version": item["metadata"]["version"],
+        installs = locks.dry_run_report(["--only-binary=:all:", "--python-version", node["python"], "--implementation", "cp", *tags,
+                                         "--target", tmp, "--find-links", str(find_links), *options, *requirements])  # fmt: skip
+    return [{"name": locks.canonical(item["metadata"]["name"]), "version": item["metadata"]["version"],
              "url": item["download_info"]["url"]} for item in installs]  # fmt: skip
 
 
@@ -156,8 +139,6 @@ def make(node_file: Path, folder: Path) -> dict:
     node = json.loads(node_file.read_text())
     folder.mkdir(parents=True, exist_ok=True)
     build_source_only(folder)
-    from draftflow import locks
-
     # the data packages without their dependencies, as the locks carry them (nothing of them is imported)
     resolved = resolve(node, requirements_for(node), folder) + resolve(node, locks.data_packages(), folder, "--no-deps")
     contents = plan(node, resolved)
@@ -194,7 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "venv":
         node_venv(args.folder)
         return
-    record = make(args.node, args.out)
+    try:
+        record = make(args.node, args.out)
+    except locks.LockError as error:
+        sys.exit(str(error))
     size = sum(path.stat().st_size for path in args.out.glob("*.whl"))
     print(f"{args.out}: {len(record['carried'])} wheels, {size / 2**20:.0f} MiB, for Python {record['node']['python']} "
           f"with torch {record['torch']} (vllm {record['carried'].get('vllm', 'kept from the node')})")  # fmt: skip

@@ -19,7 +19,8 @@
 #   bash bench/gpu/run_gpu.sh workflow           # the demo workflow on the GPU (about 6 minutes; bench/gpu/workflow_gpu.sh)
 #   bash bench/gpu/run_gpu.sh vllm               # the whole demo workflow with vLLM on the GPU (generate, the vllm
 #                                                #   extraction backend, serve_check), then served tokens/s with and
-#                                                #   without the drafter (bench/gpu/vllm_gpu.sh; .whl/ holds vllm 0.26.0)
+#                                                #   without the drafter (bench/gpu/vllm_gpu.sh; .venv-cuda from a wheelhouse,
+#                                                #   docs/install.md, or vllm 0.26.0 in .whl/)
 #   bash bench/gpu/run_gpu.sh train-key          # after workflow: train.lr edited, a kill inside an epoch and the rerun
 #                                                #   (bench/gpu/train_key_gpu.sh)
 #   bash bench/gpu/run_gpu.sh evaluate           # evaluation's weighing of drafts at real sizes (bench/evaluate_bench.py)

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from draftflow.config import load_config
-from draftflow.evaluate import evaluation_samples
+from draftflow.evaluate import GREEDY, evaluation_samples
 from draftflow.serve_check import complete, served_acceptance, served_prompts, spec_decode_counters, speculative_args
 from draftflow.vllm_server import server_env, target_server_args, vllm_server
 
@@ -26,7 +26,7 @@ from draftflow.vllm_server import server_env, target_server_args, vllm_server
 def timed(url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        tokens = sum(pool.map(lambda ids: complete(url, model, ids, max_tokens, {"temperature": 0.0}), prompts))
+        tokens = sum(pool.map(lambda ids: complete(url, model, ids, max_tokens, GREEDY), prompts))
     seconds = time.perf_counter() - started
     return {"requests": len(prompts), "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
 
