@@ -32,6 +32,11 @@ DRAFTFLOW = Path(sys.executable).with_name("draftflow")  # the command the docs 
 SUITE_CACHE = None if CACHE_DIR_ENV in os.environ else tempfile.mkdtemp(prefix="draftflow-suite-cache-")
 if SUITE_CACHE:
     os.environ[CACHE_DIR_ENV] = SUITE_CACHE
+# OpenMP threads that wait for work sleep instead of spinning: the suite runs two workers, their
+# workflows' jobs and vLLM servers on two cores, where a spinning thread takes the core another
+# process needs. A vLLM CPU server answering 16 requests of 32 tokens one at a time beside a busy
+# suite: 17.0 CPU-s and 15.5 s by default, 2.5 and 2.5 with PASSIVE (bench/omp_wait_policy.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def demo_config(evaluation_sets: bool = True, **overrides) -> dict:
@@ -140,7 +145,7 @@ def module_of(nodeid: str) -> str:
 
 RUN_PER_PARAMETER_MODULES = {"test_twin_workflows"}
 # The order in which the workers take the scopes that run a minute or more, with the seconds
-# each took in a suite run on 2 cores (--durations=0, 2026-12-06, the demo's run counted in the
+# each took in a suite run on 2 cores (--durations=0, 2026-12-07, the demo's run counted in the
 # module that asked for it first): the demo first (every module after it reads it, and the
 # background run starts from it) beside the runs that need no demo, then the longest first,
 # so that none is left with a long one at the end. The incremental module starts after the
@@ -148,26 +153,26 @@ RUN_PER_PARAMETER_MODULES = {"test_twin_workflows"}
 # pip's install (EARLY_WORK) and the demo's target build load both cores at the start (its
 # first run once generated 20 times slower there than later).
 SCHEDULE = (
-    "test_train_evaluate_report",  # 570, the demo's run included
-    "test_twin_workflows[gpt_oss]",  # 275
-    "test_incremental_rebuilds",  # 845
-    "test_walkthrough",  # 255 alone, 630 beside the demo's run and pip's install
-    "test_twin_workflows[qwen3_moe]",  # 240
-    "test_resume_reproducibility",  # 305
-    "test_server_faults",  # 240
-    "test_slurm",  # 190
-    "test_twin_workflows[kimi_k25]",  # 160
-    "test_faults",  # 140
-    "test_twin_workflows[deepseek_v3]",  # 140
-    "test_gemma3_ways_out",  # 105
-    "test_gates",  # 100
-    "test_families",  # 90
-    "test_rebuilds",  # 85
-    "test_extract_stage",  # 55
-    "test_mla_rope",  # 35
-    "test_multi_turn",  # 35
-    "test_vllm_support",  # 30
-    "test_vllm_hidden_states_connector",  # 30
+    "test_train_evaluate_report",  # 585, the demo's run included
+    "test_twin_workflows[gpt_oss]",  # 404
+    "test_incremental_rebuilds",  # 1023
+    "test_walkthrough",  # 363
+    "test_twin_workflows[qwen3_moe]",  # 338
+    "test_server_faults",  # 364
+    "test_resume_reproducibility",  # 342
+    "test_slurm",  # 257
+    "test_twin_workflows[kimi_k25]",  # 248
+    "test_faults",  # 213
+    "test_twin_workflows[deepseek_v3]",  # 200
+    "test_gemma3_ways_out",  # 165
+    "test_gates",  # 164
+    "test_rebuilds",  # 133
+    "test_extract_stage",  # 84
+    "test_families",  # 76
+    "test_multi_turn",  # 52
+    "test_mla_rope",  # 50
+    "test_vllm_support",  # 44
+    "test_vllm_hidden_states_connector",  # 44
 )
 
 
