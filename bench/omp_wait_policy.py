@@ -30,6 +30,8 @@ from tests.twins import build_twin
 
 REQUESTS, TOKENS = 16, 32
 REPEATS = 5
+LOADS = (0, os.cpu_count())  # busy processes beside the server: none, one per core
+POLICIES = (None, "PASSIVE")  # None: unset, libgomp's default
 
 
 def spin() -> None:
@@ -75,7 +77,7 @@ def measure(target: Path, policy: str | None, log: Path) -> list[dict]:
     env = {**server_env(vllm, "cpu"), **({"OMP_WAIT_POLICY": policy} if policy else {})}
     rows = []
     with vllm_server(str(target), args, log, health_timeout_s=600, env=env) as url:
-        for count in (0, os.cpu_count()):
+        for count in LOADS:
             spinners = busy(count)
             for _ in range(REPEATS):
                 cpu, wall = server_cpu_s(log), time.monotonic()
@@ -93,12 +95,12 @@ def main() -> None:
     os.environ.pop("OMP_WAIT_POLICY", None)  # "unset": libgomp's default, whatever the shell set
     with tempfile.TemporaryDirectory(prefix="omp-wait-") as folder:
         target = build_twin("qwen3_moe", Path(folder) / "target")
-        rows = [row for policy in (None, "PASSIVE") for row in measure(target, policy, Path(folder) / f"server-{policy}.log")]
+        rows = [row for policy in POLICIES for row in measure(target, policy, Path(folder) / f"server-{policy}.log")]
         print("\nmedians of", REPEATS)
-        for policy in ("unset", "PASSIVE"):
-            for count in (0, os.cpu_count()):
-                mine = [row for row in rows if (row["OMP_WAIT_POLICY"], row["busy processes"]) == (policy, count)]
-                print(f"OMP_WAIT_POLICY {policy:8} busy processes {count}: server CPU "
+        for policy in POLICIES:
+            for count in LOADS:
+                mine = [row for row in rows if (row["OMP_WAIT_POLICY"], row["busy processes"]) == (policy or "unset", count)]
+                print(f"OMP_WAIT_POLICY {policy or 'unset':8} busy processes {count}: server CPU "
                       f"{median(r['server CPU s'] for r in mine):5.1f} s, wall {median(r['wall s'] for r in mine):5.1f} s")
 
 

@@ -157,8 +157,8 @@ SCHEDULE = (
     "test_twin_workflows[gpt_oss]",  # 404
     "test_incremental_rebuilds",  # 1023
     "test_walkthrough",  # 363
-    "test_twin_workflows[qwen3_moe]",  # 338
     "test_server_faults",  # 364
+    "test_twin_workflows[qwen3_moe]",  # 338
     "test_resume_reproducibility",  # 342
     "test_slurm",  # 257
     "test_twin_workflows[kimi_k25]",  # 248
