@@ -37,13 +37,14 @@ INCREMENTAL = "test_incremental_rebuilds.py::test_generation_asked_and_extractio
 REBUILDS = (
     Rebuild("`data.num_samples` grown (16 → 20)", ("data.num_samples",), "the 4 new conversations", "their 4 samples",
             f"{INCREMENTAL}[num_samples_grown]"),
-    Rebuild("`data.num_samples` shrunk (16 → 12)", ("data.num_samples",), "none (0 requests)",
+    Rebuild("`data.num_samples` shrunk (20 → 16)", ("data.num_samples",), "none (0 requests)",
             "none; the files of the 4 samples left out are deleted", f"{INCREMENTAL}[num_samples_shrunk]"),
+    # the next two edits are made together, in one run
     Rebuild("a prompt file added (the 16 drawn again from 30)", ("data.prompt_files",), "the newly drawn conversations",
-            "their samples; files of samples no longer drawn are deleted", f"{INCREMENTAL}[prompt_file_added]"),
+            "their samples; files of samples no longer drawn are deleted", f"{INCREMENTAL}[prompt_files_edited]"),
     Rebuild("a prompt file edited in place (two questions reworded, same ids)", ("data.prompt_files",),
             "the reworded questions (or those drawn in their place)",
-            "their samples: the same id with other tokens is extracted again", f"{INCREMENTAL}[prompt_edited_in_place]"),
+            "their samples: the same id with other tokens is extracted again", f"{INCREMENTAL}[prompt_files_edited]"),
     Rebuild("`generate.temperature` changed", ("generate.temperature",), "every conversation (another answer store)",
             "every sample whose tokens changed", f"{INCREMENTAL}[temperature_changed]"),
     Rebuild("`prepare.max_seq_length` lowered", ("prepare.max_seq_length",), "none (0 requests)",

@@ -43,20 +43,19 @@ def assert_same_files(
     second: Path,
     renames: dict[bytes, bytes] | None = None,
     *,
-    stages_of_first_only: bool = False,
+    stages: tuple[str, ...] | None = None,
     left_out: tuple[str, ...] = (),
 ) -> set[str]:
     """Assert that two runs' ``results/<run>`` hold the same files with the same content
     (``renames``: bytes of ``second`` that name its own place, as ``first`` names it);
-    the names compared. ``stages_of_first_only``: ``second`` is an earlier run's folder
-    rerun to a nearer target, so its stage folders that ``first`` lacks hold that run's
-    files and are left out; within every other stage each file counts. ``left_out``:
-    patterns of files that only ``first`` was run to make."""
-    compared = lambda results: {n for n in files_under(results) if not any(fnmatch(n, p) for p in (*NOT_COMPARED, *left_out))}  # noqa: E731
-    names, theirs = compared(first), compared(second)
-    if stages_of_first_only:
-        stages = {Path(name).parts[0] for name in names}
-        theirs = {name for name in theirs if Path(name).parts[0] in stages}
+    the names compared. ``stages``: the stage folders compared, where a run was rerun to a
+    nearer target in an earlier run's folder, whose other stages hold that run's files;
+    within each, every file counts. ``left_out``: patterns of files that only ``first``
+    was run to make."""
+    kept = lambda name: not any(fnmatch(name, p) for p in (*NOT_COMPARED, *left_out)) and (  # noqa: E731
+        stages is None or Path(name).parts[0] in stages
+    )
+    names, theirs = ({n for n in files_under(results) if kept(n)} for results in (first, second))
     assert names == theirs
     renames = dict(renames or {})
     renames.update(digests_of_renamed_files(first, second, names, renames))

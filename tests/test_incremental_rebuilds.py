@@ -1,15 +1,17 @@
 """Partial rebuilds reuse a sample's work only for that sample (issue 22).
 
 A tiny target (the Qwen3-MoE twin) answers a start config; edits follow it: more
-or fewer samples, a prompt file added or edited in place, another temperature, a
-shorter ``prepare.max_seq_length`` (each also run in a fresh folder: clean), and
-edits of what the data is made with (issue 42): the target's
+samples, a prompt file added and two questions of another edited in place, another
+temperature, a shorter ``prepare.max_seq_length`` (each also run in a fresh folder:
+clean); fewer samples, from the clean run of more back to the start config (the start
+run is its clean run); and edits of what the data is made with (issue 42): the target's
 ``chat_template.jinja`` edited, ``--chat-template`` added to ``vllm.extra_args``,
 one tensor of the target's weight file edited in place (issue 60: one norm
 scaled, the file saved over the old one, its size unchanged). Each edit runs on a
-copy of the start run's folder with its Snakemake records (incremental: what a
-user's second run does); the target is a folder inside it (``target.path:
-target``), edited in place there, so the copy is also a moved run and target.
+copy of an earlier run's folder (the start's, or for fewer samples the clean run of
+more) with its Snakemake records (incremental: what a user's second run does); the
+target is a folder inside it (``target.path: target``), edited in place there, so the
+copy is also a moved run and target.
 The tests open the files the runs leave: the hidden states that training and
 evaluation read hold their rows' tokens; generation asked, and extraction
 computed, exactly the conversations and samples the edit made new; and the
@@ -63,11 +65,15 @@ RUN = "edit"
 # to the evaluation (fidelity, the report and provenance record nothing the comparison
 # looks at).
 EVALUATION, VIEWS = f"results/{RUN}/evaluation/evaluation.json", f"results/{RUN}/training_data/split.json"
+VIEW_STAGES = ("prompts", "synthetic", "prepared", "hidden_states", "training_data")  # the stage folders a run to VIEWS makes
 PROMPTS, MORE_PROMPTS = "prompts.jsonl", "more-prompts.jsonl"  # in each run's folder, as a user keeps them
 TARGET = "target"  # in each run's folder too: an edit of the target is made in place, in the copy
 TEMPLATE = "brief.jinja"  # the edited chat template, for --chat-template
-EDITS = ("num_samples_grown", "num_samples_shrunk", "prompt_file_added", "prompt_edited_in_place",
-         "temperature_changed", "max_seq_length_lowered")  # fmt: skip
+EDITS = ("num_samples_grown", "num_samples_shrunk", "prompt_files_edited", "temperature_changed",
+         "max_seq_length_lowered")  # fmt: skip
+# edits run on the clean run of another edit (incremental) and compared with the start run
+# (clean): its config is theirs, which no second clean run would show more of
+BACK_TO_START = {"num_samples_shrunk": "num_samples_grown"}
 # edits of what the data is made with: checked for what they redo and for the files training
 # would read (run up to the training views), not against a clean run
 TARGET_EDITS = ("chat_template_edited", "chat_template_flag_added", "one_tensor_edited")
@@ -179,15 +185,11 @@ def edit_overrides(edit: str, lab: Path, start: Path) -> dict:
     """The config sections an edit changes (the shorter max_seq_length: the start's median row length)."""
     if edit == "num_samples_grown":
         return {"data": {"num_samples": 20}}
-    if edit == "num_samples_shrunk":
-        return {"data": {"num_samples": 12}}
-    if edit == "prompt_file_added":
+    if edit == "prompt_files_edited":
         return {"data": {"prompt_files": [PROMPTS, MORE_PROMPTS]}}
-    if edit == "prompt_edited_in_place":
-        return {}
     if edit == "temperature_changed":
         return {"generate": {"temperature": 0.8}}
-    if edit in ("chat_template_edited", "one_tensor_edited"):
+    if edit in ("num_samples_shrunk", "chat_template_edited", "one_tensor_edited"):  # shrunk: the start's 16, from 20
         return {}
     if edit == "chat_template_flag_added":
         return {"vllm": {"extra_args": ["--chat-template", str(lab / TEMPLATE)]}}
@@ -197,14 +199,18 @@ def edit_overrides(edit: str, lab: Path, start: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def edit_runs(lab, server, start, request):
-    """Each edit of the start config, run once when a test first asks for it: on a copy
-    of the start's folder (incremental) and, for EDITS, in a fresh folder (clean)."""
+    """Each edit, run once when a test first asks for it: on a copy of the start's folder
+    (or BACK_TO_START's) (incremental) and, for EDITS, in a fresh folder (clean; the start
+    for BACK_TO_START)."""
     done = {}
 
     def run(edit: str) -> dict:
         if edit not in done:
             url = request.getfixturevalue("templated_server") if edit in TEMPLATE_EDITS else server
-            done[edit] = run_edit(edit, lab, url, start, clean=edit in EDITS)
+            if edit in BACK_TO_START:
+                done[edit] = run_edit(edit, lab, url, start, before=run(BACK_TO_START[edit])["clean"], clean=start)
+            else:
+                done[edit] = run_edit(edit, lab, url, start, before=start, clean=None if edit in TARGET_EDITS else "new")
         return done[edit]
 
     return run
@@ -222,8 +228,8 @@ def any_edit(request, edit_runs) -> dict:
 
 def edit_in_place(edit: str, lab: Path, folder: Path, start: Path) -> None:
     """What the edit changes in a run's folder besides its config: a prompt file, or the target."""
-    if edit == "prompt_edited_in_place":
-        edit_two_questions(folder / PROMPTS, list(asked_conversations(start))[:2])
+    if edit == "prompt_files_edited":
+        edit_two_questions(folder / PROMPTS, EDITED_QUESTIONS)
     elif edit == "chat_template_edited":
         shutil.copy(lab / TEMPLATE, folder / TARGET / "chat_template.jinja")
     elif edit == "one_tensor_edited":  # a fix of one norm saved over the old file: names, shapes, dtypes kept
@@ -231,27 +237,32 @@ def edit_in_place(edit: str, lab: Path, folder: Path, start: Path) -> None:
 
 
 
-def run_edit(edit: str, lab: Path, server: str, start: Path, clean: bool) -> dict:
-    """The edited config run incrementally (and clean); the requests the incremental run made."""
+def run_edit(edit: str, lab: Path, server: str, start: Path, before: Path, clean: Path | str | None) -> dict:
+    """The edited config run incrementally on a copy of ``before``, and clean ("new": in a
+    fresh folder; a folder: a run of that config already); the requests the incremental run made."""
     edited_config = config(lab, server, **edit_overrides(edit, lab, start))
-    incremental = copy_of(start, lab / f"incremental-{edit}")
+    incremental = copy_of(before, lab / f"incremental-{edit}")
     edit_in_place(edit, lab, incremental, start)
     target = EVALUATION if edit in EDITS_RUN_TO_EVALUATION else VIEWS
     plan = plan_before_running(incremental, edited_config)
     served = requests_served(server)
     snakemake(incremental, edited_config, target)
-    run = {"edit": edit, "config": edited_config, "incremental": incremental, "start": start,
+    run = {"edit": edit, "config": edited_config, "incremental": incremental, "before": before, "clean": clean,
            "requests": requests_served(server) - served, "plan": plan}  # fmt: skip
-    if clean:
+    if clean == "new":
         run["clean"] = new_folder(lab, f"clean-{edit}")
         edit_in_place(edit, lab, run["clean"], start)
         snakemake(run["clean"], edited_config, target)
     return run
 
 
-def edit_two_questions(prompts: Path, ids: list[str]) -> None:
-    """Two of the asked questions with other words under the same ids, as a user fixes a
-    prompt file in place (each stays drawn, or another question is drawn instead)."""
+# two questions the start asks and the edited prompt files still draw (the sampling ranks each
+# question by the seed and its content: draftflow.prompts.lowest_ranked)
+EDITED_QUESTIONS = ("q0", "q5")
+
+
+def edit_two_questions(prompts: Path, ids: tuple[str, ...]) -> None:
+    """Questions with other words under the same ids, as a user fixes a prompt file in place."""
     rows = list(iter_jsonl(prompts))
     for row in rows:
         if row["id"] in ids:
@@ -286,7 +297,7 @@ def asked_conversations(folder: Path) -> dict[str, list]:
 
 
 def test_generation_asked_and_extraction_computed_exactly_what_the_edit_made_new(any_edit):
-    run, start, edit = any_edit["incremental"], any_edit["start"], any_edit["edit"]
+    run, start, edit = any_edit["incremental"], any_edit["before"], any_edit["edit"]
     before, now = asked_conversations(start), asked_conversations(run)
     answered_before = [] if edit in NEW_ANSWER_STORE else list(before.values())
     new_conversations = [c for c, messages in now.items() if messages not in answered_before]
@@ -311,14 +322,16 @@ def test_generation_asked_and_extraction_computed_exactly_what_the_edit_made_new
     assert set(files_now) == {layout.file_name(s) for s in new_rows}  # no file that no row claims
     rewritten = {name for name, mtime in files_now.items() if files_before.get(name) != mtime}
     assert rewritten == {layout.file_name(s) for s in changed}
-    if edit in ("num_samples_grown", "prompt_file_added"):
+    if edit == "num_samples_grown":
         assert 0 < len(changed) < len(new_rows) and 0 < len(new_conversations) < len(now)
+    elif edit == "prompt_files_edited":  # the added file's questions drawn, and the two edited
+        assert 0 < len(changed) < len(new_rows) and 0 < len(new_conversations) < len(now)
+        assert set(EDITED_QUESTIONS) < set(new_conversations) <= set(EDITED_QUESTIONS) | {c for c in now if c.startswith("r")}
+        assert set(EDITED_QUESTIONS) < set(before)
     elif edit == "max_seq_length_lowered":
         assert 0 < len(changed) < len(new_rows) and not new_conversations
     elif edit == "num_samples_shrunk":
         assert not changed and not new_conversations and len(new_rows) < len(old_rows)
-    elif edit == "prompt_edited_in_place":
-        assert 0 < len(new_conversations) <= 2 and 0 < len(changed) <= 2
     elif edit in TARGET_EDITS:  # every answer asked again, every sample extracted again; the prompts kept
         assert len(new_conversations) == len(now) and changed == set(new_rows) == set(old_rows)
         sampled = "prompts/conversations.jsonl"
@@ -338,9 +351,9 @@ def test_generation_asked_and_extraction_computed_exactly_what_the_edit_made_new
 
 def test_the_incremental_run_makes_the_clean_runs_files(edited):
     clean, incremental = (results(edited[k]) for k in ("clean", "incremental"))
-    trained = edited["edit"] in EDITS_RUN_TO_EVALUATION  # else the start's drafter and evaluation stay, not rebuilt
+    trained = edited["edit"] in EDITS_RUN_TO_EVALUATION  # else the earlier drafter and evaluation stay, not rebuilt
     renames = {str(edited["incremental"]).encode(): str(edited["clean"]).encode()}
-    compared = assert_same_files(clean, incremental, renames, stages_of_first_only=not trained)
+    compared = assert_same_files(clean, incremental, renames, stages=None if trained else VIEW_STAGES)
     assert {"synthetic/generated.jsonl", "prepared/dataset/state.json", "training_data/split.json"} <= compared
     assert ({"drafter_trained/model.safetensors", "evaluation/evaluation.json"} <= compared) == trained
     assert sum(name.startswith("hidden_states/shard-") and name.endswith(".safetensors") for name in compared) == len(
@@ -409,7 +422,7 @@ SCALED_STAGES = ("generate_server", "prepare", "extract_server", "train")
 
 def test_the_plan_from_another_runs_rates_foretells_a_larger_clean_run(lab, edit_runs, tmp_path):
     grown = edit_runs("num_samples_grown")
-    clean, start = grown["clean"], grown["start"]
+    clean, start = grown["clean"], grown["before"]
     for prompts in (PROMPTS, MORE_PROMPTS):  # the folder as it was before the clean run: prompts and target
         shutil.copy(clean / prompts, tmp_path / prompts)
     shutil.copytree(clean / TARGET, tmp_path / TARGET)
