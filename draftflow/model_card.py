@@ -5,7 +5,8 @@ The card says how the drafter was made and how well it drafts: the base model, t
 mix and the evaluation sets, the generation settings, the layers and the draft
 vocabulary, the acceptance per set and K offline and served (``acceptance_tables``),
 the digests of its own files and of the run's inputs, and the ``vllm serve`` command
-that serves it. ``draftflow publish`` uploads the folder.
+that serves it. ``draftflow publish`` uploads the folder, the card and the drafter's
+``config.json`` naming the target by its hub id there (``published_card``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,19 @@ def mix_lines(prompts: dict) -> list[str]:
     return lines
 
 
+def title(target_name: str) -> str:
+    return f"# EAGLE-3 drafter for {target_name}"
+
+
+def drafter_note(drafter_ref: str) -> str:
+    """The line under the serve command that says where the drafter is."""
+    return f"(`{drafter_ref}` is this folder; published, its hub id.)"
+
+
+def digest_line(name: str, digest: str) -> str:
+    return f"- `{name}`: sha256 `{digest}`"
+
+
 def card_text(inputs: dict, settings: dict, files: dict[str, str]) -> str:
     """The model card: ``inputs`` are the run's records (prompts, generate and train stats, the
     vocabulary's coverage, the extraction plan, evaluation, served, provenance), ``settings``
@@ -89,11 +103,11 @@ def card_text(inputs: dict, settings: dict, files: dict[str, str]) -> str:
     heldout = evaluation["trained"]
     lines = [
         "---", yaml.safe_dump(front_matter(inputs, settings), sort_keys=False).rstrip(), "---", "",
-        f"# EAGLE-3 drafter for {base_model(settings['target'])}", "",
+        title(base_model(settings["target"])), "",
         f"Built by draftflow (run `{settings['run']}`, workflow commit `{provenance.get('workflow_commit')}`) "
         "in speculators' format; vLLM serves it beside the target.", "",
         "## Serve it", "", "```bash", serve_command(settings, drafter_ref), "```", "",
-        f"(`{drafter_ref}` is this folder; published, its hub id.)", "",
+        drafter_note(drafter_ref), "",
         "## Acceptance", "",
         f"Held-out training prompts at K={evaluation['draft_tokens']}: mean acceptance length "
         f"{heldout['mean_acceptance_length']:.3f} offline (every position), "
@@ -122,7 +136,7 @@ def card_text(inputs: dict, settings: dict, files: dict[str, str]) -> str:
         "## Provenance", "",
         f"- target fingerprint (config, weights, tokenizer, chat template): `{provenance['target']['fingerprint']}`",
         "- packages: " + ", ".join(f"{name} {version}" for name, version in provenance["packages"].items()),
-        *[f"- `{name}`: sha256 `{digest}`" for name, digest in files.items()], "",
+        *[digest_line(name, digest) for name, digest in files.items()], "",
     ]  # fmt: skip
     return "\n".join(lines)
 
@@ -131,6 +145,34 @@ def parse_front_matter(text: str) -> dict:
     """The YAML between a card's opening ``---`` lines, as the hub reads it."""
     _, matter, _ = text.split("---\n", 2)
     return yaml.safe_load(matter)
+
+
+def published_config(config: dict, verifier: str) -> dict:
+    """The drafter's config as published: its verifier named by the hub id ``verifier``, where
+    training wrote the target's local path (``draftflow.train.finalize_config``)."""
+    speculators = config["speculators_config"]
+    return {**config, "speculators_config": {**speculators, "verifier": {**speculators["verifier"], "name_or_path": verifier}}}
+
+
+def published_card(card: str, verifier: str, repo_id: str, digests: dict[str, str]) -> str:
+    """``card`` as the hub repository ``repo_id`` shows it: the target named by its hub id
+    ``verifier`` (front matter, title, serve command), the drafter by ``repo_id``, and the
+    ``digests`` of the files as uploaded."""
+    _, matter, body = card.split("---\n", 2)
+    matter = {**yaml.safe_load(matter), "base_model": verifier}
+    lines = body.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith(title("")):
+            lines[i] = title(verifier)
+        elif line.startswith("vllm serve "):
+            command = shlex.split(line)
+            speculative = {**json.loads(command[-1]), "model": repo_id}
+            lines[i] = shlex.join([*command[:2], verifier, *command[3:-1], json.dumps(speculative)])
+        elif line.endswith(drafter_note("")[3:]):  # whatever folder it names
+            lines[i] = f"(`{repo_id}` is this repository.)"
+        elif line.startswith("- `") and ": sha256 `" in line and (name := line[3:].split("`", 1)[0]) in digests:
+            lines[i] = digest_line(name, digests[name])
+    return "---\n" + yaml.safe_dump(matter, sort_keys=False) + "---\n" + "\n".join(lines)
 
 
 def drafter_files(folder: Path) -> list[Path]:

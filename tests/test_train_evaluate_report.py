@@ -215,7 +215,8 @@ def test_the_held_out_acceptance_is_measured_at_each_temperature_asked(demo_run)
 def test_the_drafter_ships_with_a_model_card_whose_numbers_are_the_evaluations(demo_run, tmp_path):
     """drafter/README.md: front matter the hub reads, the serve command, the acceptance table
     from evaluation.json and served.json, the digests of the files beside it (links to the
-    trained drafter's); `draftflow publish --dry-run` lists them and never prints the token."""
+    trained drafter's); `draftflow publish --dry-run` lists them, asks for the target's hub id
+    where the card names a local folder, and never prints the token."""
     drafter = demo_run / "drafter"
     card = (drafter / "README.md").read_text()
     matter = parse_front_matter(card)
@@ -235,7 +236,7 @@ def test_the_drafter_ships_with_a_model_card_whose_numbers_are_the_evaluations(d
     for name in ("config.json", "model.safetensors"):
         assert (drafter / name).resolve() == (demo_run / "drafter_trained" / name).resolve() != drafter / name
         assert f"`{name}`: sha256 `{hashlib.sha256((drafter / name).read_bytes()).hexdigest()}`" in card
-    listed = subprocess.run([DRAFTFLOW, "publish", str(drafter), "--repo-id", "me/demo-eagle3",
+    listed = subprocess.run([DRAFTFLOW, "publish", str(drafter), "--repo-id", "me/demo-eagle3", "--verifier", "me/demo-target",
                              "--dry-run"], capture_output=True, text=True, env={**os.environ, "HF_TOKEN": "hf_secret_value"})  # fmt: skip
     assert listed.returncode == 0, listed.stderr
     shipped = {path.name for path in (demo_run / "drafter_trained").iterdir() if not path.name.startswith(".")} | {"README.md"}
@@ -246,3 +247,5 @@ def test_the_drafter_ships_with_a_model_card_whose_numbers_are_the_evaluations(d
     refused = subprocess.run([DRAFTFLOW, "publish", str(tmp_path / "not-a-drafter"), "--repo-id",
                               "me/x", "--dry-run"], capture_output=True, text=True)  # fmt: skip
     assert refused.returncode == 2 and "lacks config.json, README.md" in refused.stderr
+    unnamed = subprocess.run([DRAFTFLOW, "publish", str(drafter), "--repo-id", "me/x", "--dry-run"], capture_output=True, text=True)
+    assert unnamed.returncode == 2 and "--verifier: the target's hub id" in unnamed.stderr  # the card knows a local folder
