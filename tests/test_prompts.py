@@ -320,3 +320,42 @@ def test_the_prompts_rule_refuses_an_evaluation_set_holding_a_training_sample(tm
     assert process.returncode != 0
     assert "evaluate.datasets 'bench' (bench.jsonl, line 4): this conversation is also training sample t2" in process.stdout + process.stderr
     assert not (tmp_path / "results/demo/prompts/conversations.jsonl").exists()
+
+
+def sharegpt_rows(prefix: str, count: int) -> list[dict]:
+    return [{"id": f"{prefix}{i}", "conversations": [{"from": "human", "value": f"{prefix} question {i}"}, {"from": "gpt", "value": "x"}]}
+            for i in range(count)]  # fmt: skip
+
+
+def test_a_hub_datasets_files_are_taken_by_name_where_its_split_mixes_variants(tmp_path, monkeypatch):
+    """ShareGPT's repository as the hub holds it: by datasets' rules every .json file is the train
+    split (V3, its no_imsorry variant, the HTML dump); data_files takes the one named; UltraChat
+    200k's train_sft files by a glob, beside its train_gen ones."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    add_dataset_snapshot(cache, "anon/ShareGPT", "c" * 40, {
+        "ShareGPT_V3_unfiltered_cleaned_split.json": json.dumps(sharegpt_rows("v3", 3)).encode(),
+        "ShareGPT_V3_unfiltered_cleaned_split_no_imsorry.json": json.dumps(sharegpt_rows("no", 2)).encode(),
+        "HTML_cleaned_raw_dataset/sg_90k_part1.json": json.dumps(sharegpt_rows("html", 4)).encode(),
+    })  # fmt: skip
+    add_dataset_snapshot(cache, "h4/ultrachat", "d" * 40, {
+        "data/train_sft-00000-of-00001.parquet": parquet_bytes(question_rows("sft", 3)),
+        "data/train_gen-00000-of-00001.parquet": parquet_bytes(question_rows("gen", 5)),
+    })  # fmt: skip
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    whole = resolve_sources([{"hub": "anon/ShareGPT"}], Path(), "data.prompt_files")
+    assert len(whole[0].files) == 3  # the split mixes the variants
+    sources = resolve_sources([{"hub": "anon/ShareGPT", "data_files": "ShareGPT_V3_unfiltered_cleaned_split.json"},
+                               {"hub": "h4/ultrachat", "data_files": ["data/train_sft-*.parquet"]}], Path(), "data.prompt_files")  # fmt: skip
+    assert [[Path(f).name for f in s.files] for s in sources] == [["ShareGPT_V3_unfiltered_cleaned_split.json"],
+                                                                  ["train_sft-00000-of-00001.parquet"]]  # fmt: skip
+    stats = select_prompts(sources, 100, 0, "fail").stats["sources"]
+    assert {name: s["sampled"] for name, s in stats.items()} == {"ShareGPT": 3, "ultrachat": 3}
+    with pytest.raises(PromptSourceError, match=r"data_files \['\*\.jsonl'\] match no file of anon/ShareGPT .*ShareGPT_V3"):
+        resolve_sources([{"hub": "anon/ShareGPT", "data_files": "*.jsonl"}], Path(), "data.prompt_files")
+    with pytest.raises(PromptSourceError, match="give data_files or split, not both"):
+        resolve_sources([{"hub": "h4/ultrachat", "split": "train", "data_files": "data/*"}], Path(), "data.prompt_files")
+    with pytest.raises(PromptSourceError, match="data_files picks files of a hub dataset"):
+        resolve_sources([{"path": "x.jsonl", "data_files": "x.jsonl"}], Path(), "data.prompt_files")
