@@ -126,6 +126,7 @@ NO_EFFECT = {
     "train.gpus": "GPUs of the training job",
     "plan.rates": "the plan's estimate only",
     "plan.stop_if_short": "a gate: the run does not start without room",
+    "vllm.gpu_memory_gib": "the plan's GPU fit check: no output depends on it",
 }  # fmt: skip
 
 

@@ -81,6 +81,19 @@ def _nvidia_devices() -> list[str]:
     return []
 
 
+def local_gpu_memory_bytes() -> int | None:
+    """The smallest memory of this machine's NVIDIA GPUs (``nvidia-smi``), None without them."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        listing = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=30, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    mib = [int(value) for value in re.findall(r"^\s*(\d+)", listing, re.MULTILINE)]
+    return min(mib) * 1024**2 if mib else None
+
+
 def device_source(environ: Mapping[str, str] | None = None) -> tuple[list[str], str]:
     """The device ids jobs on this machine (or in this SLURM job) may use, and where they came from."""
     environ = os.environ if environ is None else environ

@@ -57,8 +57,9 @@ from draftflow.extract import layout
 from draftflow.extract.fidelity import decide_for_config, fidelity_jobs
 from draftflow.extract.layout import ExtractionSettings, Sample
 from draftflow.dependencies import run_extraction_settings, run_generation_key
+from draftflow.chat_template import flag_value
 from draftflow.fingerprint import LARGE_HASH_BYTES, uncached_weight_bytes
-from draftflow.gpus import local_gpu_count
+from draftflow.gpus import local_gpu_count, local_gpu_memory_bytes
 from draftflow.io import iter_jsonl, read_json, write_text
 from draftflow.job_placement import concurrent_servers, server_gpus
 from draftflow.layers import resolve_layer_ids
@@ -77,6 +78,13 @@ MEASURED_STAGES = tuple(stage.rule for stage in run_folder.STAGES if stage.rule 
 LOAD_SHARE_WARNING = 0.25
 SERVER_COUNTS = {"generate_server": "generate.servers", "extract_server": "extract.servers"}  # the config key of each
 CHARS_PER_TOKEN = 4  # prompts not yet tokenized: a common rule of thumb for English text
+# The GPU fit: the share of each GPU's memory vLLM takes (its --gpu-memory-utilization
+# default), and what a server needs there beside the weights and the KV cache (activations,
+# CUDA graphs, the sampler's buffers): an estimate, not a measurement.
+VLLM_GPU_MEMORY_UTILIZATION = 0.9
+RUNTIME_RESERVE_BYTES = 2 * 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+UNFIT = "will not fit"  # how the warnings of a run that cannot run begin
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,20 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class GpuFit:
+    """What a server needs on each of its GPUs, against what vLLM takes of one."""
+
+    gpu_bytes: int  # one GPU's memory
+    source: str  # where that figure comes from
+    usable_bytes: int  # vLLM's share of it (--gpu-memory-utilization)
+    weight_bytes: int  # the target's weights over vllm.tensor_parallel_size
+    kv_cache_bytes: int  # one vllm.max_model_len sequence's keys and values
+    reserve_bytes: int  # RUNTIME_RESERVE_BYTES
+    needed_bytes: int
+    fits: bool
+
+
+@dataclass(frozen=True)
 class Plan:
     run: str
     tokens: dict  # samples, tokens, source
@@ -144,6 +166,7 @@ class Plan:
     total_gpu_hours: float
     warnings: list[str]
     exit_code: int
+    gpu_fit: GpuFit | None = None  # device cuda with a GPU memory known: vllm.gpu_memory_gib or the GPUs here
 
 
 # -- rates ----------------------------------------------------------------------
@@ -385,12 +408,50 @@ def plan_stages(config: dict, target: TargetModel, num_layer_ids: int, work: dic
     return stages + [stage("report", 1, 0, 0, 0, measured("report")), stage("provenance", 1, 0, 0, 0, measured("provenance"))]
 
 
+def gpu_fit(config: dict, target: TargetModel, local_memory: int | None) -> GpuFit | None:
+    """The target on the GPUs of one server (vllm.tensor_parallel_size of them): its weights
+    split over them, one vllm.max_model_len sequence's KV cache and the runtime's reserve each,
+    against vLLM's share of a GPU of vllm.gpu_memory_gib (else of the GPUs here). None on CPU,
+    without a GPU memory to check against, or without weights to weigh."""
+    vllm = config["vllm"]
+    if config["device"] != "cuda" or target.weight_bytes is None:
+        return None
+    given = vllm["gpu_memory_gib"]
+    gpu_bytes, source = (round(given * 1024**3), "vllm.gpu_memory_gib") if given else (local_memory, "the GPUs here")
+    if not gpu_bytes:
+        return None
+    share = float(flag_value(vllm["extra_args"], "--gpu-memory-utilization") or VLLM_GPU_MEMORY_UTILIZATION)
+    tp = vllm["tensor_parallel_size"]
+    weights = math.ceil(target.weight_bytes / tp)
+    kv = vllm["max_model_len"] * target.kv_cache_bytes_per_token(DTYPE_BYTES[config["target"]["dtype"]], tp)
+    needed = weights + kv + RUNTIME_RESERVE_BYTES
+    usable = int(gpu_bytes * share)
+    return GpuFit(gpu_bytes, source, usable, weights, kv, RUNTIME_RESERVE_BYTES, needed, needed <= usable)
+
+
+def gpu_fit_warning(config: dict, fit: GpuFit) -> str:
+    """Why the target does not fit its GPUs, and the ways out."""
+    tp, length = config["vllm"]["tensor_parallel_size"], config["vllm"]["max_model_len"]
+    per_gpu = max(1, fit.usable_bytes - fit.reserve_bytes - fit.kv_cache_bytes)
+    return (
+        f"{UNFIT} the GPUs: each of a server's {tp} GPU(s) would hold {fmt_bytes(fit.weight_bytes)} of weights, "
+        f"{fmt_bytes(fit.kv_cache_bytes)} of KV cache for one {length:,}-token sequence and {fmt_bytes(fit.reserve_bytes)} "
+        f"for the runtime, {fmt_bytes(fit.needed_bytes)} in all, where vLLM takes {fmt_bytes(fit.usable_bytes)} of "
+        f"{fmt_bytes(fit.gpu_bytes)} ({fit.source}). Ways out: more GPUs per server (vllm.tensor_parallel_size "
+        f"{math.ceil(fit.weight_bytes * tp / per_gpu)} or more, if the target splits so), a quantised checkpoint, or a "
+        "shorter vllm.max_model_len"
+    )
+
+
 def existing_or(path: Path, estimate: float) -> float:
     """What an output already holds (measured), else the estimate."""
     return tree_bytes(path) if path.exists() else estimate
 
 
-def build_plan(config: dict, run_dir: Path, rates: Rates, free_bytes: int | None = None, local_gpus: int | None = None) -> Plan:
+def build_plan(
+    config: dict, run_dir: Path, rates: Rates, free_bytes: int | None = None, local_gpus: int | None = None,
+    local_gpu_memory: int | None = None,
+) -> Plan:
     """The plan of ``config``'s run, whose outputs go to ``run_dir`` (``<working directory>/results/<run>``)."""
     in_workdir = run_dir.parents[1] / config["target"]["path"]  # results/<run> sits in the working directory
     target = read_target_model(in_workdir if in_workdir.is_dir() else resolve_target(config["target"]["path"]).folder)
@@ -406,7 +467,9 @@ def build_plan(config: dict, run_dir: Path, rates: Rates, free_bytes: int | None
     peak = total + sum(at_peak.values()) - sum(later.values())
     disk = run_dir if run_dir.exists() else Path.cwd()
     free = shutil.disk_usage(disk).free if free_bytes is None else free_bytes
-    warnings = plan_warnings(config, work, stages, peak, free, local_gpus) + hashing_warning(unhashed)
+    fit = gpu_fit(config, target, local_gpu_memory)
+    unfit = [gpu_fit_warning(config, fit)] if fit and not fit.fits else []
+    warnings = unfit + plan_warnings(config, work, stages, peak, free, local_gpus) + hashing_warning(unhashed)
     return Plan(
         run=config["run"],
         tokens=work,
@@ -419,7 +482,8 @@ def build_plan(config: dict, run_dir: Path, rates: Rates, free_bytes: int | None
         total_seconds=sum(s.seconds for s in stages),
         total_gpu_hours=sum(s.gpu_hours for s in stages),
         warnings=warnings,
-        exit_code=WILL_NOT_FIT if peak > free else FITS,
+        exit_code=WILL_NOT_FIT if peak > free or unfit else FITS,
+        gpu_fit=fit,
     )
 
 
@@ -427,7 +491,7 @@ def plan_warnings(config: dict, work: dict, stages: list[Stage], peak: int, free
     warnings = []
     if peak > free:
         warnings.append(
-            f"will not fit: the run writes up to {fmt_bytes(peak)}, {fmt_bytes(free)} are free "
+            f"{UNFIT}: the run writes up to {fmt_bytes(peak)}, {fmt_bytes(free)} are free "
             f"({fmt_bytes(peak - free)} short); free space, use a larger disk, or lower data.num_samples "
             "or prepare.max_seq_length"
         )
@@ -459,14 +523,16 @@ def hashing_warning(unhashed_bytes: int) -> list[str]:
 
 def write_plan(config: dict, target: Path, run_dir: Path, local_gpus: int | None) -> Plan | None:
     """Write ``run_dir``/run_plan.md and run_plan.json as a run starts; stop the run when
-    the disk will not hold it (unless ``plan.stop_if_short`` is false). None,
+    the disk will not hold it or the target will not fit its GPUs (unless
+    ``plan.stop_if_short`` is false). None,
     said on stderr, while the ``target`` folder does not exist yet (the demo
     builds its own) or the plan cannot be made (a stand-in target's config)."""
     if not (target / "config.json").exists():
         print("plan: written once the target exists (the next run)", file=sys.stderr)
         return None
     try:
-        plan = build_plan(config, run_dir, load_rates(config["plan"]["rates"], config["device"]), local_gpus=local_gpus)
+        rates = load_rates(config["plan"]["rates"], config["device"])
+        plan = build_plan(config, run_dir, rates, local_gpus=local_gpus, local_gpu_memory=local_gpu_memory_bytes())
     except (OSError, ValueError, KeyError) as error:  # an estimate never stops a run
         print(f"plan: not written ({type(error).__name__}: {error})", file=sys.stderr)
         return None
@@ -475,12 +541,9 @@ def write_plan(config: dict, target: Path, run_dir: Path, local_gpus: int | None
     write_text(run_dir / run_folder.RUN_PLAN, render_json(plan))
     print(f"plan: {markdown} ({len(plan.warnings)} warning(s))", file=sys.stderr)
     if plan.exit_code == WILL_NOT_FIT and config["plan"]["stop_if_short"]:
-        raise SystemExit(
-            f"The plan says this run will not fit: it writes up to {fmt_bytes(plan.peak_bytes)}, "
-            f"{fmt_bytes(plan.free_bytes)} are free. No job was started. Free space, use a larger disk, lower "
-            "data.num_samples or prepare.max_seq_length, or set plan.stop_if_short: false to warn only. "
-            f"The whole plan: {markdown}."
-        )
+        reasons = [warning for warning in plan.warnings if warning.startswith(UNFIT)]  # disk, GPU memory
+        raise SystemExit(f"The plan says this run {'; it '.join(reasons)}. No job was started; "
+                         f"set plan.stop_if_short: false to warn only. The whole plan: {markdown}.")  # fmt: skip
     return plan
 
 
@@ -510,11 +573,22 @@ def render_markdown(plan: Plan) -> str:
         f"{fmt_bytes(plan.free_bytes)} free ({plan.free_source}): "
         + ("fits." if plan.exit_code == FITS else "**will not fit**."),
         "",
+        *gpu_fit_lines(plan.gpu_fit),
+        "",
         "Wall times add up stage by stage; stages that run side by side finish sooner.",
     ]
     if plan.warnings:
         lines += ["", "## Warnings", "", *(f"- {warning}" for warning in plan.warnings)]
     return "\n".join(lines) + "\n"
+
+
+def gpu_fit_lines(fit: GpuFit | None) -> list[str]:
+    if fit is None:
+        return []
+    return [f"GPU memory per server GPU: {fmt_bytes(fit.needed_bytes)} needed (weights {fmt_bytes(fit.weight_bytes)}, "
+            f"KV cache of one sequence {fmt_bytes(fit.kv_cache_bytes)}, runtime {fmt_bytes(fit.reserve_bytes)}, an "
+            f"estimate), vLLM takes {fmt_bytes(fit.usable_bytes)} of {fmt_bytes(fit.gpu_bytes)} ({fit.source}): "
+            + ("fits." if fit.fits else "**will not fit**.")]  # fmt: skip
 
 
 def render_json(plan: Plan) -> str:
@@ -540,7 +614,8 @@ def main(argv: list[str] | None = None, prog: str = "draftflow plan") -> int:
         config = load_config(*args.configfile)
         rates = load_rates(args.rates, config["device"])
         gpus = local_gpu_count() if args.gpus is None else args.gpus
-        plan = build_plan(config, args.directory / run_folder.result(config["run"], ""), rates, args.free_bytes, gpus)
+        run_dir = args.directory / run_folder.result(config["run"], "")
+        plan = build_plan(config, run_dir, rates, args.free_bytes, gpus, local_gpu_memory_bytes())
     except (FileNotFoundError, ValueError, KeyError) as error:
         print(f"plan: {error}", file=sys.stderr)
         return 1

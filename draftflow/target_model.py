@@ -97,6 +97,20 @@ class TargetModel:
         """Attention head width: ``head_dim`` where the config gives it, else hidden / heads."""
         return self.text_config.get("head_dim") or self.hidden_size // self.setting("num_attention_heads")
 
+    def kv_cache_bytes_per_token(self, dtype_bytes: int, tensor_parallel_size: int) -> int:
+        """One token's KV cache on each GPU of a server splitting the target over
+        ``tensor_parallel_size``: MLA's compressed latent (``kv_lora_rank`` + ``qk_rope_head_dim``,
+        whole on every GPU), else the keys and values of its KV heads (split over the GPUs, at
+        least one head each). Every layer counted at full length: an upper bound for models
+        with sliding-window layers."""
+        text = self.text_config
+        if text.get("kv_lora_rank"):
+            per_layer = text["kv_lora_rank"] + text.get("qk_rope_head_dim", 0)
+        else:
+            heads = text.get("num_key_value_heads") or self.setting("num_attention_heads")
+            per_layer = 2 * max(1, heads // tensor_parallel_size) * self.head_dim
+        return self.num_layers * per_layer * dtype_bytes
+
     def check_draft_vocab_size(self, draft_vocab_size: int) -> None:
         if draft_vocab_size > self.vocab_size:
             raise ValueError(

@@ -28,6 +28,7 @@ README's runs as tests/test_walkthrough.py runs the README's commands.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import re
@@ -314,8 +315,10 @@ def test_the_docs_commands_are_found(tmp_path):
         if any((m := FENCE.match(line)) and m.group(2).lower() in SHELL_BLOCKS for line in Path(path).read_text().splitlines())
     }
     assert with_blocks and with_blocks == {command.doc for command in COMMANDS}
-    walkthrough = [c.text for c in COMMANDS if c.doc == "README.md" and ("my.yaml" in c.text or "<run>" in c.text)]
-    assert len(walkthrough) == 5, walkthrough  # "Your model in five commands"
+    readme = {c.line: c.text for c in COMMANDS if c.doc == "README.md"}
+    first = next(line for line, text in readme.items() if text.startswith("cp config/examples/"))
+    walkthrough = list(itertools.takewhile(bool, (readme.get(line) for line in itertools.count(first))))
+    assert len(walkthrough) == 5, walkthrough  # "Your model in five commands": one block, from the copied config on
     markdown = tmp_path / "doc.md"
     markdown.write_text("```bash\nmake demo  # the demo\necho '# kept'\n```\n"
                         "```console\n$ draftflow plan \\\n  --json\noutput\n```\n```yaml\nrun: x\n```\n"

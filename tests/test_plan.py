@@ -7,7 +7,8 @@ import yaml
 
 from draftflow.config import load_config
 from draftflow.costs import tree_bytes
-from draftflow.plan import FITS, WILL_NOT_FIT, build_plan, load_rates, main, rates_from_run
+from draftflow.plan import FITS, WILL_NOT_FIT, build_plan, load_rates, main, rates_from_run, write_plan
+from draftflow.target_model import read_target_model
 from tests.conftest import REPO, demo_config
 
 # The reference run of issue 14: a 1T MoE (Kimi-K2 class: hidden 7168, 61
@@ -123,3 +124,36 @@ def test_the_demo_plan_after_prepare_holds_the_bytes_the_demo_wrote(workdir, dem
     assert conversations == 240 + 80 and samples > conversations  # MT-Bench's questions have two turns
     assert (generate.reused, generate.computed, generate.model_loads) == (conversations, 0, 0)
     assert (extract.reused, extract.computed, extract.model_loads) == (samples, 0, 0)
+
+
+@pytest.mark.parametrize("gpu_memory_gib", [80, 141])
+def test_a_target_too_large_for_its_gpus_is_refused_naming_the_ways_out(reference_run, gpu_memory_gib):
+    """594 GB of weights over 8 GPUs is 69 GiB each, with 6.1 GB of KV cache for one 16k
+    sequence (the fixture's 64 KV heads of 192): more than vLLM's 90% of an 80 GiB H100,
+    within that of a 141 GiB H200."""
+    config = load_config(reference_run / "config.yaml")
+    config["vllm"]["gpu_memory_gib"] = gpu_memory_gib
+    rates = load_rates(reference_run / "rates.yaml", "cuda")
+    plan = build_plan(config, reference_run / "results/moe-1t", rates, free_bytes=2_800_000_000_000, local_gpus=8)
+    fit = plan.gpu_fit
+    assert fit.weight_bytes == 594_000_000_000 // 8 and fit.kv_cache_bytes == 16384 * 61 * 2 * 8 * 192 * 2
+    assert fit.usable_bytes == int(gpu_memory_gib * 1024**3 * 0.9)
+    assert fit.fits == (gpu_memory_gib == 141)
+    assert plan.exit_code == (FITS if fit.fits else WILL_NOT_FIT)
+    refusals = [warning for warning in plan.warnings if warning.startswith("will not fit the GPUs")]
+    assert len(refusals) == (0 if fit.fits else 1)
+    if not fit.fits:
+        for way_out in ("vllm.tensor_parallel_size 9 or more", "a quantised checkpoint", "a shorter vllm.max_model_len"):
+            assert way_out in refusals[0]
+        with pytest.raises(SystemExit, match="will not fit the GPUs.*No job was started"):
+            write_plan(config, reference_run / "target", reference_run / "results/moe-1t", local_gpus=8)
+        assert "GPU memory per server GPU" in (reference_run / "results/moe-1t/run_plan.md").read_text()
+
+
+def test_an_mla_targets_kv_cache_is_its_latent_whole_on_every_gpu(reference_run):
+    """DeepSeek-V3's attention caches kv_lora_rank + qk_rope_head_dim per layer, not per head:
+    the same on each GPU whatever the tensor-parallel size."""
+    config = json.loads((reference_run / "target/config.json").read_text())
+    (reference_run / "target/config.json").write_text(json.dumps(config | {"kv_lora_rank": 512, "qk_rope_head_dim": 64}))
+    target = read_target_model(reference_run / "target")
+    assert target.kv_cache_bytes_per_token(2, 8) == target.kv_cache_bytes_per_token(2, 1) == 61 * (512 + 64) * 2
