@@ -92,11 +92,12 @@ class Rates:
     """How fast a run goes; one job each, model loads apart."""
 
     source: str
-    model_load_s: float  # a server's start until it serves (weights, compile, warm-up)
-    generate_tokens_per_s: float  # response tokens, one generation server
+    # None (CUDA's defaults): scaled to the target from the GPU measurements (``on_target``)
+    model_load_s: float | None  # a server's start until it serves (weights, compile, warm-up)
+    generate_tokens_per_s: float | None  # response tokens, one generation server
     prepare_tokens_per_s: float
-    extract_tokens_per_s: float  # one extraction server job
-    train_tokens_per_s: float  # prepared tokens x epochs per second and per GPU (or CPU job) of training
+    extract_tokens_per_s: float | None  # one extraction server job
+    train_tokens_per_s: float | None  # prepared tokens x epochs per second and per GPU (or CPU job) of training
     stage_seconds: dict[str, float] = field(default_factory=dict)  # MEASURED_STAGES, as measured
     generated_bytes_per_token: float = 37.0  # synthetic/ per prepared token (demo)
     prepared_bytes_per_token: float = 13.3  # prepared/ per prepared token (demo)
@@ -105,23 +106,66 @@ class Rates:
 
 
 # Sources: "cpu" is this repository's demo on 2 cores (make test, 2026-11-30; the two
-# fidelity jobs 2026-12-03; the generation gather 2026-12-05);
-# "cuda" takes the 1T reference run of issue 14 (Kimi-K2 class, TP 8: model
-# load 24.5 min, extraction 2.5 samples/s of ~1,450 tokens) and BENCHMARKS.md
-# (H200: training 36,442 tokens/s); generation on a GPU was not measured here:
-# 5,000 response tokens/s per server is an assumption. Rates from your own
-# earlier run (--rates results/<run>) replace all of them.
+# fidelity jobs 2026-12-03; the generation gather 2026-12-05); "cuda" scales its
+# model load, extraction and training to the target from the GPU measurements below
+# (``on_target``); generation on a GPU was not measured at a size that predicts a
+# target's: 5,000 response tokens/s per server is an assumption, and the plan says so.
+# Rates from your own earlier run (--rates results/<run>) replace all of them.
 DEFAULT_RATES = {
     "cpu": Rates("defaults: the demo on 2 CPU cores", 20.0, 765.0, 2230.0, 540.0, 3000.0,
                  {"prompts": 0.1, "generate": 6.6, "vocab_map": 7.6, "extract_plan": 2.3, "extract": 2.0, "fidelity_reference": 8.1,
                   "fidelity": 3.2, "drafter_init": 13.4, "train_views": 2.0, "evaluate": 7.6, "serve_check": 25.0,
                   "report": 0.5, "provenance": 0.1}),
-    "cuda": Rates("defaults: the 1T reference run and BENCHMARKS.md (generation assumed)", 1470.0, 5000.0,
-                  20000.0, 3600.0, 36442.0,
+    "cuda": Rates("defaults: GPU measurements scaled to the target (generation assumed)", None, None, 20000.0, None, None,
                   {"prompts": 1.0, "generate": 120.0, "vocab_map": 60.0, "extract_plan": 60.0, "extract": 10.0, "fidelity_reference": 600.0,
                    "fidelity": 60.0, "drafter_init": 120.0, "train_views": 60.0, "evaluate": 600.0, "serve_check": 1800.0,
                    "report": 5.0, "provenance": 1.0}),
 }  # fmt: skip
+
+
+# The GPU measurements (BENCHMARKS.md) CUDA's defaults scale from. Extraction: 39,179
+# tokens/s on one H200 for a target of Llama-3.1-8B's shape (7.50B parameters per token, as
+# TargetModel.parameters_per_token counts them; transformers backend, 2026-12-04), bound by
+# compute: a target's rate goes as the inverse of its parameters per token and with its
+# server's GPUs. Training: speculators' Trainer, that target's drafter (hidden 4,096) at
+# 36,442 tokens/s per H200 (2026-11-29): a drafter's layers go as its hidden size squared.
+# A server's start: 140 s on an H100 for a 115M-parameter target (its first start, kernels
+# built; 2026-12-07), or the 1T reference run's (issue 14, not measured here: 594 GB of
+# weights in 24.5 minutes) scaled by the weights' bytes, whichever is longer.
+MEASURED_EXTRACTION = (39179.0, 7_504_658_432, "39,179 tokens/s at 7.50B parameters per token on one H200")
+MEASURED_TRAINING = (36442.0, 4096, "36,442 tokens/s per H200 at hidden size 4,096")
+MEASURED_SERVER_START_S = 140.0
+REFERENCE_LOAD = (1470.0, 594e9)  # seconds, weight bytes
+ASSUMED_GENERATION_TOKENS_PER_S = 5000.0  # vLLM on a GPU was not measured at a size that predicts a target's
+
+
+def on_target(rates: Rates, target: TargetModel, config: dict) -> tuple[Rates, list[str]]:
+    """``rates`` with what is left to scale (None) scaled to ``target``, and a line for each
+    saying from what."""
+    gpus = max(1, server_gpus(config))
+    scaled, notes = {}, []
+    if rates.extract_tokens_per_s is None:
+        measured, parameters, what = MEASURED_EXTRACTION
+        scaled["extract_tokens_per_s"] = measured * parameters / target.parameters_per_token * gpus
+        notes.append(f"extraction {scaled['extract_tokens_per_s']:,.0f} tokens/s per server job: {what} (BENCHMARKS.md), "
+                     f"scaled to this target's {target.parameters_per_token / 1e9:.2f}B on {gpus} GPU(s)")  # fmt: skip
+    if rates.train_tokens_per_s is None:
+        measured, hidden, what = MEASURED_TRAINING
+        scaled["train_tokens_per_s"] = measured * (hidden / target.hidden_size) ** 2
+        notes.append(f"training {scaled['train_tokens_per_s']:,.0f} tokens/s per GPU: {what} (BENCHMARKS.md), "
+                     f"scaled to this drafter's {target.hidden_size:,}")  # fmt: skip
+    if rates.model_load_s is None:
+        seconds, weight_bytes = REFERENCE_LOAD
+        from_weights = seconds * (target.weight_bytes or 0) / weight_bytes
+        scaled["model_load_s"] = max(MEASURED_SERVER_START_S, from_weights)
+        notes.append(f"a server's start {fmt_duration(scaled['model_load_s'])}: the longer of a measured start on an H100 "
+                     f"({MEASURED_SERVER_START_S:.0f} s, a 115M target) and the 1T reference run's 24.5 minutes scaled "
+                     f"to these weights ({fmt_duration(from_weights)}; not measured here)")  # fmt: skip
+    if rates.generate_tokens_per_s is None:
+        scaled["generate_tokens_per_s"] = ASSUMED_GENERATION_TOKENS_PER_S
+        notes.append(f"generation {ASSUMED_GENERATION_TOKENS_PER_S:,.0f} response tokens/s per server: an assumption, "
+                     "not a measurement (--rates results/<run> takes an earlier run's)")  # fmt: skip
+    return replace(rates, **scaled), notes
 
 
 @dataclass(frozen=True)
@@ -167,6 +211,7 @@ class Plan:
     warnings: list[str]
     exit_code: int
     gpu_fit: GpuFit | None = None  # device cuda with a GPU memory known: vllm.gpu_memory_gib or the GPUs here
+    rate_notes: list[str] = field(default_factory=list)  # the defaults scaled to the target: from what
 
 
 # -- rates ----------------------------------------------------------------------
@@ -455,6 +500,7 @@ def build_plan(
     """The plan of ``config``'s run, whose outputs go to ``run_dir`` (``<working directory>/results/<run>``)."""
     in_workdir = run_dir.parents[1] / config["target"]["path"]  # results/<run> sits in the working directory
     target = read_target_model(in_workdir if in_workdir.is_dir() else resolve_target(config["target"]["path"]).folder)
+    rates, rate_notes = on_target(rates, target, config)
     checked = decide_for_config(config, target.weight_bytes).check
     layer_ids = resolve_layer_ids(config["extract"]["layer_ids"], target.num_layers)
     num_layer_ids = len(layer_ids)
@@ -474,6 +520,7 @@ def build_plan(
         run=config["run"],
         tokens=work,
         rates=rates.source,
+        rate_notes=rate_notes,
         stages=stages,
         total_bytes=total,
         peak_bytes=peak,
@@ -560,6 +607,7 @@ def render_markdown(plan: Plan) -> str:
         "",
         f"{plan.tokens['samples']:,} samples, {plan.tokens['tokens']:,} tokens ({plan.tokens['source']}); "
         f"rates: {plan.rates}.",
+        *(f"- {note}" for note in plan.rate_notes),
         "",
         "| stage | jobs | GPUs per job | model loads | bytes written | wall time | GPU-hours | kept / computed |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",

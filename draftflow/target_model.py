@@ -97,6 +97,22 @@ class TargetModel:
         """Attention head width: ``head_dim`` where the config gives it, else hidden / heads."""
         return self.text_config.get("head_dim") or self.hidden_size // self.setting("num_attention_heads")
 
+    @property
+    def parameters_per_token(self) -> int:
+        """The weights one token is multiplied with, from the config (an estimate): each layer's
+        attention projections and MLP (for an MoE the experts a token is routed to and the
+        shared ones), and the output head. What a forward pass's compute per token goes as."""
+        text, hidden = self.text_config, self.hidden_size
+        heads = self.setting("num_attention_heads")
+        attention = hidden * self.head_dim * 2 * (heads + (text.get("num_key_value_heads") or heads))
+        routed = text.get("num_experts_per_tok") or text.get("num_experts_per_token")
+        if routed and text.get("moe_intermediate_size"):
+            shared = text.get("n_shared_experts") or text.get("num_shared_experts") or 0
+            mlp = 3 * hidden * text["moe_intermediate_size"] * (routed + shared)
+        else:
+            mlp = 3 * hidden * self.setting("intermediate_size")
+        return self.num_layers * (attention + mlp) + hidden * self.vocab_size
+
     def kv_cache_bytes_per_token(self, dtype_bytes: int, tensor_parallel_size: int) -> int:
         """One token's KV cache on each GPU of a server splitting the target over
         ``tensor_parallel_size``: MLA's compressed latent (``kv_lora_rank`` + ``qk_rope_head_dim``,

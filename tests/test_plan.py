@@ -157,3 +157,42 @@ def test_an_mla_targets_kv_cache_is_its_latent_whole_on_every_gpu(reference_run)
     (reference_run / "target/config.json").write_text(json.dumps(config | {"kv_lora_rank": 512, "qk_rope_head_dim": 64}))
     target = read_target_model(reference_run / "target")
     assert target.kv_cache_bytes_per_token(2, 8) == target.kv_cache_bytes_per_token(2, 1) == 61 * (512 + 64) * 2
+
+
+LLAMA_8B = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 14336, "num_hidden_layers": 32, "vocab_size": 128256,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def test_the_gpu_defaults_are_measurements_scaled_to_the_target_and_say_so(tmp_path, capsys, monkeypatch):
+    """The llama-8b example plans with BENCHMARKS.md's figures for its own shape; the 1T example's
+    MoE with them scaled by its routed parameters and its 8 GPUs; generation is called an assumption."""
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama/config.json").write_text(json.dumps(LLAMA_8B))
+    (tmp_path / "llama/model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 16_060_522_496}}))
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"id": "q0", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    config = yaml.safe_load((REPO / "config/examples/llama-8b-1gpu.yaml").read_text())
+    config["target"]["path"] = str(tmp_path / "llama")
+    config["data"]["prompt_files"] = [str(tmp_path / "prompts.jsonl")]
+    config["evaluate"]["datasets"] = []
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)
+    assert main(["--configfile", "config.yaml", "--free-bytes", "2TB"]) == FITS
+    markdown = capsys.readouterr().out
+    assert "- extraction 39,179 tokens/s per server job: 39,179 tokens/s at 7.50B parameters per token on one H200 (BENCHMARKS.md)" in markdown
+    assert "- training 36,442 tokens/s per GPU: 36,442 tokens/s per H200 at hidden size 4,096 (BENCHMARKS.md)" in markdown
+    assert "- generation 5,000 response tokens/s per server: an assumption, not a measurement" in markdown
+
+    kimi = {**LLAMA_8B, "model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64,
+            "head_dim": 112, "num_hidden_layers": 61, "vocab_size": 163840, "moe_intermediate_size": 2048,
+            "num_experts_per_tok": 8, "n_shared_experts": 1}  # fmt: skip
+    (tmp_path / "llama/config.json").write_text(json.dumps(kimi))
+    config = load_config(tmp_path / "config.yaml") | {"vllm": load_config(tmp_path / "config.yaml")["vllm"] | {"tensor_parallel_size": 8}}
+    plan = build_plan(config, tmp_path / "results/llama-8b", load_rates(None, "cuda"), free_bytes=2 * 10**12, local_gpus=8)
+    per_token = 61 * (7168 * 112 * 2 * 128 + 3 * 7168 * 2048 * 9) + 7168 * 163840
+    extraction = next(note for note in plan.rate_notes if note.startswith("extraction"))
+    assert extraction.startswith(f"extraction {39179 * 7_504_658_432 / per_token * 8:,.0f} tokens/s per server job")
+    assert f"{per_token / 1e9:.2f}B on 8 GPU(s)" in extraction
+    assert any(note.startswith(f"training {36442 * (4096 / 7168) ** 2:,.0f} tokens/s per GPU") for note in plan.rate_notes)
