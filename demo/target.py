@@ -306,6 +306,7 @@ def train(
     batches: list[dict[str, torch.Tensor]],
     steps: int,
     learning_rate: float,
+    device: str = "cpu",
 ) -> list[float]:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.01
@@ -317,7 +318,7 @@ def train(
     losses = []
     progress = tqdm(range(steps), desc="demo target", unit="step")
     for step in progress:
-        loss = model(**batches[step % len(batches)]).loss
+        loss = model(**{name: tensor.to(device) for name, tensor in batches[step % len(batches)].items()}).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -341,8 +342,9 @@ def build_demo_target(
     learning_rate: float = 3e-3,
     hidden_size: int = 128,
     threads: int = 1,
+    device: str = "cpu",
 ) -> dict:
-    """Train the demo tokenizer and model; save both as a Hugging Face model dir.
+    """Train the demo tokenizer and model on ``device``; save both as a Hugging Face model dir.
 
     One torch thread by default: the weights are the same bytes with one or two (measured
     on the whole build), and a second thread cost 45% more CPU per step for none of the
@@ -367,8 +369,9 @@ def build_demo_target(
     ]
     with deterministic_torch(seed, threads):
         config = model_config(tokenizer, hidden_size)
-        model = LlamaForCausalLM(config)
-        losses = train(model, batches, train_steps, learning_rate)
+        model = LlamaForCausalLM(config).to(device)
+        losses = train(model, batches, train_steps, learning_rate, device)
+    model.cpu()
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir)
     GenerationConfig(

@@ -129,12 +129,12 @@ DEFAULT_RATES = {
 # compute: a target's rate goes as the inverse of its parameters per token and with its
 # server's GPUs. Training: speculators' Trainer, that target's drafter (hidden 4,096) at
 # 36,442 tokens/s per H200 (2026-11-29): a drafter's layers go as its hidden size squared.
-# A server's start: 140 s on an H100 for a 115M-parameter target (its first start, kernels
+# A server's start: 130 s on an H100 for a 115M-parameter target (its first start, kernels
 # built; 2026-12-07), or the 1T reference run's (issue 14, not measured here: 594 GB of
 # weights in 24.5 minutes) scaled by the weights' bytes, whichever is longer.
 MEASURED_EXTRACTION = (39179.0, 7_504_658_432, "39,179 tokens/s at 7.50B parameters per token on one H200")
 MEASURED_TRAINING = (36442.0, 4096, "36,442 tokens/s per H200 at hidden size 4,096")
-MEASURED_SERVER_START_S = 140.0
+MEASURED_SERVER_START_S = 130.0
 REFERENCE_LOAD = (1470.0, 594e9)  # seconds, weight bytes
 ASSUMED_GENERATION_TOKENS_PER_S = 5000.0  # vLLM on a GPU was not measured at a size that predicts a target's
 

@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--configfile", nargs="+", required=True)
     parser.add_argument("--run-dir", type=Path, default=Path("."), help="the workflow's directory")
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--prompts", type=int, help="the first N prompts only (default: all)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--graphs", action="store_true", help="leave out the config's --enforce-eager: CUDA graphs and compile, as served")
     options = parser.parse_args()
@@ -56,7 +57,7 @@ def main() -> None:
     model = str((options.run_dir / config["target"]["path"]).resolve())
     views = results / "training_data"
     by_set = {**evaluation_samples(views / "heldout"), **evaluation_samples(views / "evaluation")}
-    prompts = [ids for groups in served_prompts(by_set).values() for group in groups.values() for ids in group]
+    prompts = [ids for groups in served_prompts(by_set).values() for group in groups.values() for ids in group][: options.prompts]
     args = target_server_args(config["vllm"], dtype=config["target"]["dtype"], device=config["device"], seed=config["seed"],
                               trust_remote_code=config["target"]["trust_remote_code"])  # fmt: skip
     if options.graphs:

@@ -56,7 +56,7 @@ run=$!
 set +m
 # a checkpoint inside an epoch: training_state.json with a local step above 0 (0: an epoch's end)
 mid_epoch() { grep -qsE '"local_step": [1-9]' results/gpu/train/work/*/checkpoints/*/training_state.json; }
-for _ in $(seq 3000); do mid_epoch && break; kill -0 $run 2>/dev/null || break; sleep 0.1; done
+for _ in $(seq 15000); do mid_epoch && break; kill -0 $run 2>/dev/null || break; sleep 0.02; done
 kill -9 -- -$run 2>/dev/null  # Snakemake, the job, torchrun and its workers
 wait $run 2>/dev/null
 echo "killed at: $(cat results/gpu/train/work/*/checkpoints/*/training_state.json | tr '\n' ' ')" | tee -a "$OUT/train-key.txt"
