@@ -4,14 +4,19 @@ Run by ``draftflow.train.train_with_trainer`` under torchrun as
 ``-m draftflow.trainer_launch METRICS_JSONL <speculators train flags>``. Rank 0
 appends the Trainer's per-step metric records to METRICS_JSONL; every rank
 appends its peak GPU memory at the end. The drafter it builds gets the target's
-final-norm offset, as ``draftflow.train.load_drafter``'s does.
+final-norm offset, as ``draftflow.train.load_drafter``'s does. Each worker dies
+with its torchrun agent (``stop_with_the_launcher``).
 """
 
+import ctypes
 import json
 import logging
 import os
+import signal
 import sys
 import time
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal a process gets when its parent dies
 
 
 class StepRecords(logging.Handler):
@@ -65,7 +70,22 @@ def match_target_final_norm_on_build(cli) -> None:
     cli.build_draft_model = build_and_match
 
 
+def stop_with_the_launcher() -> None:
+    """Have Linux SIGKILL this worker when its torchrun agent dies. torchrun starts each worker
+    in a session of its own, so a kill of the training job's process group (a scheduler's
+    SIGKILL, ``kill -9 -- -PGID``) takes the agent and Snakemake but leaves the workers
+    training on, writing checkpoints into the key's folder that a rerun resumes from (seen on
+    an H100, 2026-12-07: the rerun found the killed run's later epochs). Not on other systems."""
+    if not sys.platform.startswith("linux"):
+        return
+    agent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != agent:  # the agent died before the request took hold
+        os._exit(1)
+
+
 def main() -> None:
+    stop_with_the_launcher()
     import speculators.train.cli as cli
     import torch
     from speculators.train.config import TrainConfig

@@ -7,8 +7,12 @@ after a kill resumes from its own. On the demo's views and untrained drafter, th
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -75,6 +79,52 @@ def test_a_rerun_of_the_same_key_after_a_kill_resumes_from_its_last_checkpoint(d
     # the killed run's steps, then the resumed run's from its last checkpoint on (one step redone)
     assert [entry["step"] for entry in log] == [*range(steps + steps // 2 + 1), *range(steps + steps // 2, 2 * steps)]
     assert stats["steps"] == 2 * steps
+
+
+# Training as a Snakemake job runs it, in a process group of its own (the test's to kill).
+TRAINING_JOB = """
+import sys
+from dataclasses import replace
+from pathlib import Path
+from draftflow import train
+from tests.test_training_key import gpu_settings, trained
+train.TRAINER_LAUNCH = "tests.trainer_stand_in"
+trained(Path(sys.argv[1]), Path(sys.argv[2]) / "work", Path(sys.argv[2]) / "killed", replace(gpu_settings(), epochs=1000))
+"""
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_a_kill_of_the_training_jobs_process_group_stops_the_trainers_workers(demo_run, tmp_path, stand_in_trainer, monkeypatch):
+    """torchrun starts its workers in sessions of their own; a SIGKILL of the job's group (the
+    job, torchrun's agent) stops them too: none trains on into the key's folder that a rerun
+    resumes from (draftflow.trainer_launch.stop_with_the_launcher)."""
+    monkeypatch.setenv("STAND_IN_STEP_SECONDS", "0.2")
+    job = subprocess.Popen([sys.executable, "-c", TRAINING_JOB, str(demo_run), str(tmp_path)], cwd=REPO, start_new_session=True)
+    records = lambda: [json.loads(line) for line in metrics.read_text().splitlines()] if (metrics := next(  # noqa: E731
+        (tmp_path / "work").glob("*/metrics.jsonl"), None)) else []  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(records()) < 2 and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(records()) >= 2, "the stand-in trainer never stepped"
+    worker = records()[-1]["pid"]
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    deadline = time.monotonic() + 10
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if outlived := alive(worker):
+        os.kill(worker, signal.SIGKILL)  # this test's own worker, left training
+    assert not outlived, f"torchrun's worker {worker} outlived its job's process group"
+    steps = len(records())
+    time.sleep(1)  # five of its steps
+    assert len(records()) == steps
 
 
 def test_the_trainer_resumes_only_where_its_key_left_checkpoints_and_saves_every_n_steps(demo_run, tmp_path):

@@ -12,7 +12,8 @@ where that is below 1, else at each epoch's end; it resumes from the newest one 
 ``--no-resume-from-checkpoint``, else starts from ``--from-pretrained``. Each step adds
 ``lr x (its global step)`` to every weight, so the weights say which learning rate trained them,
 for how many steps, and from where. ``STAND_IN_DIE_AFTER_STEPS=N`` kills it after its N-th step
-of this run, as a lost node would."""
+of this run, as a lost node would; ``STAND_IN_STEP_SECONDS`` makes each step take that long.
+As ``draftflow.trainer_launch`` does first, it asks to die with its torchrun agent."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from hs_connectors import FP8Transfer
@@ -27,6 +29,8 @@ from safetensors.torch import load_file, save_file
 from speculators.train.config import TrainConfig
 from speculators.train.data import ArrowDataset
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+from draftflow.trainer_launch import stop_with_the_launcher
 
 
 
@@ -52,6 +56,7 @@ def save(folder: Path, weights: dict, init: Path, state: dict) -> None:
 
 
 def main() -> None:
+    stop_with_the_launcher()
     metrics, config = Path(sys.argv[1]), TrainConfig.resolve(sys.argv[2:]).model_dump()
     trainer, init = config["trainer"], Path(config["draft"]["from_pretrained"])
     save_path, lr, every = Path(trainer["save_path"]), config["optimizer"]["lr"], trainer["checkpoint_freq"]
@@ -67,8 +72,10 @@ def main() -> None:
     while epoch < trainer["epochs"]:
         step, global_step, run_steps = step + 1, global_step + 1, run_steps + 1
         weights = {name: tensor + lr * global_step for name, tensor in weights.items()}
+        time.sleep(float(os.environ.get("STAND_IN_STEP_SECONDS", 0)))
         with metrics.open("a") as stream:
-            stream.write(json.dumps({"time": global_step, "step": global_step - 1, "epoch": epoch, "loss": 1 / global_step, "profile": None}) + "\n")
+            stream.write(json.dumps({"time": global_step, "step": global_step - 1, "epoch": epoch, "loss": 1 / global_step,
+                                     "profile": None, "pid": os.getpid()}) + "\n")  # fmt: skip
         if step == epoch_steps or step % interval == 0:
             done = step == epoch_steps
             save(save_path / str(epoch), weights, init, {"epoch": epoch, "local_step": 0 if done else step, "global_step": global_step})

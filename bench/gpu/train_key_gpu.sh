@@ -55,18 +55,18 @@ sm train >>"$OUT/train-key.log" 2>&1 &
 run=$!
 set +m
 # a checkpoint inside an epoch: training_state.json with a local step above 0 (0: an epoch's end)
-mid_epoch() { grep -qsE '"local_step": [1-9]' results/gpu/train/work/*/checkpoints/*/training_state.json; }
+mid_epoch() { grep -qsE '"local_step": [1-9]' results/gpu/train/work/*/checkpoints/[0-9]*/training_state.json; }
 for _ in $(seq 15000); do mid_epoch && break; kill -0 $run 2>/dev/null || break; sleep 0.02; done
 kill -9 -- -$run 2>/dev/null  # Snakemake, the job, torchrun and its workers
 wait $run 2>/dev/null
-echo "killed at: $(cat results/gpu/train/work/*/checkpoints/*/training_state.json | tr '\n' ' ')" | tee -a "$OUT/train-key.txt"
+echo "killed at: $(cat results/gpu/train/work/*/checkpoints/[0-9]*/training_state.json | tr '\n' ' ')" | tee -a "$OUT/train-key.txt"
 before=$(wc -l < results/gpu/train/work/*/metrics.jsonl)
 sm --unlock >>"$OUT/train-key.log" 2>&1
 sm --rerun-incomplete train >>"$OUT/train-key.log" 2>&1 || exit 1
 grep -E "training key|removing|resum|Fast-skipping|Resuming" logs/gpu/train.log | tee -a "$OUT/train-key.txt"
 python3 - "$before" <<'EOF' | tee -a "$OUT/train-key.txt"
 import glob, json, sys
-steps = [json.loads(line)["step"] for line in open(glob.glob("results/gpu/train/work/*/metrics.jsonl")[0])]
+steps = [r["step"] for r in map(json.loads, open(glob.glob("results/gpu/train/work/*/metrics.jsonl")[0])) if "step" in r]  # step records, not the ranks' peak memory
 before = int(sys.argv[1])
 print(f"step records: {before} before the kill (last {steps[before - 1]}), then from {steps[before]} to {steps[-1]}")
 EOF
