@@ -83,7 +83,6 @@ CHARS_PER_TOKEN = 4  # prompts not yet tokenized: a common rule of thumb for Eng
 # CUDA graphs, the sampler's buffers): an estimate, not a measurement.
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 RUNTIME_RESERVE_BYTES = 2 * 1024**3
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 UNFIT = "will not fit"  # how the warnings of a run that cannot run begin
 
 
@@ -468,7 +467,7 @@ def gpu_fit(config: dict, target: TargetModel, local_memory: int | None) -> GpuF
     share = float(flag_value(vllm["extra_args"], "--gpu-memory-utilization") or VLLM_GPU_MEMORY_UTILIZATION)
     tp = vllm["tensor_parallel_size"]
     weights = math.ceil(target.weight_bytes / tp)
-    kv = vllm["max_model_len"] * target.kv_cache_bytes_per_token(DTYPE_BYTES[config["target"]["dtype"]], tp)
+    kv = vllm["max_model_len"] * target.kv_cache_bytes_per_token(layout.DTYPE_BYTES[config["target"]["dtype"]], tp)
     needed = weights + kv + RUNTIME_RESERVE_BYTES
     usable = int(gpu_bytes * share)
     return GpuFit(gpu_bytes, source, usable, weights, kv, RUNTIME_RESERVE_BYTES, needed, needed <= usable)
