@@ -86,7 +86,7 @@ STAGES = {
     "provenance": Reads((), after=("prompts", "generate_server", "generate", "prepare", "vocab_map", "extract_plan",
                                    "fidelity_reference", "extract_server", "extract", "drafter_init",
                                    "train_views", "train", "evaluate", "report")),
-    "model_card": Reads((*SERVER, "evaluate.draft_tokens", "evaluate.serve_check", "generate.max_tokens"),
+    "model_card": Reads((*SERVER, "evaluate.draft_tokens", "evaluate.serve_check", "generate.max_tokens", "generate.reasoning_parser"),
                         after=("prompts", "generate", "vocab_map", "extract_plan", "train", "evaluate", "serve_check",
                                "provenance")),
 }  # fmt: skip

@@ -61,7 +61,8 @@ def front_matter(inputs: dict, settings: dict) -> dict:
 
 def serve_command(settings: dict, drafter_ref: str) -> str:
     """The command that serves target and drafter as serve_check served them (the target as the
-    config names it, its server flags), the drafter from ``drafter_ref``."""
+    config names it, its server flags, and generation's reasoning parser:
+    vllm_support.served_flags), the drafter from ``drafter_ref``."""
     target = settings["target"]
     speculative = {"model": drafter_ref, "method": "eagle3", "num_speculative_tokens": settings["draft_tokens"]}
     served = target["hub"]["repo_id"] if target.get("hub") else target["path"]

@@ -162,13 +162,24 @@ def target_server_flags(config: dict, target: TargetModel | None, extra_args=())
 UNCHUNKED_PREFILL = ["--no-enable-chunked-prefill"]
 
 
+def reasoning_flags(config: dict) -> list[str]:
+    """``--reasoning-parser``, where generate.reasoning_parser names one."""
+    parser = config["generate"]["reasoning_parser"]
+    return ["--reasoning-parser", parser] if parser else []
+
+
 def generation_server_flags(config: dict, target: TargetModel | None) -> list[str]:
     """The flags of generation's server: a server's, the reasoning parser, and on CPU
     at temperature > 0 whole prompts prefilled at once."""
-    parser = config["generate"]["reasoning_parser"]
     sampled_on_cpu = config["device"] == "cpu" and config["generate"]["temperature"] > 0
-    extra = [*(["--reasoning-parser", parser] if parser else []), *(UNCHUNKED_PREFILL if sampled_on_cpu else [])]
-    return target_server_flags(config, target, extra)
+    return target_server_flags(config, target, [*reasoning_flags(config), *(UNCHUNKED_PREFILL if sampled_on_cpu else [])])
+
+
+def served_flags(config: dict, target: TargetModel | None) -> list[str]:
+    """The flags the model card serves the target and drafter with: a server's, and the
+    reasoning parser generation used, so that a chat client gets a thinking model's
+    reasoning apart from its answer (drafting is the same with or without it)."""
+    return target_server_flags(config, target, reasoning_flags(config))
 
 
 def stage_problems(target: TargetModel, stage: str) -> list[str]:

