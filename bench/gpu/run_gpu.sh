@@ -21,6 +21,9 @@
 #                                                #   extraction backend, serve_check), then served tokens/s with and
 #                                                #   without the drafter (bench/gpu/vllm_gpu.sh; .venv-cuda from a wheelhouse,
 #                                                #   docs/install.md, or vllm 0.26.0 in .whl/)
+#   bash bench/gpu/run_gpu.sh larger             # the workflow with vLLM on a 115M-parameter target trained there, the served
+#                                                #   speed, the Trainer killed inside an epoch, the transformers backend: phases
+#                                                #   a later call continues (bench/gpu/larger_gpu.sh; .venv-cuda from wheelhouse/)
 #   bash bench/gpu/run_gpu.sh train-key          # after workflow: train.lr edited, a kill inside an epoch and the rerun
 #                                                #   (bench/gpu/train_key_gpu.sh)
 #   bash bench/gpu/run_gpu.sh evaluate           # evaluation's weighing of drafts at real sizes (bench/evaluate_bench.py)
@@ -129,6 +132,9 @@ for part in "${parts[@]}"; do
         # .venv-cuda from a wheelhouse (docs/install.md), else the wheels of .whl/ installed above
         py=python3; [ -x .venv-cuda/bin/python ] && py=.venv-cuda/bin/python
         PY=$py timeout "$(left ${VLLM_TIMEOUT:-560})" bash bench/gpu/vllm_gpu.sh "$OUT" || status=1
+        ;;
+    larger)
+        DEADLINE=$(left 580) bash bench/gpu/larger_gpu.sh "$OUT" || status=1
         ;;
     train-key)
         # after `workflow` (same machine): train.lr edited, then a kill inside an epoch and the rerun
