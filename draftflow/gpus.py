@@ -65,31 +65,27 @@ def _in_slurm_job(environ: Mapping[str, str]) -> bool:
     return bool(environ.get("SLURM_JOB_ID"))
 
 
+def _nvidia_smi(*args: str) -> str:
+    """What ``nvidia-smi ARGS`` prints; empty without it or where it fails."""
+    if not shutil.which("nvidia-smi"):
+        return ""
+    try:
+        return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def _nvidia_devices() -> list[str]:
     if NVIDIA_PROC.is_dir():
         count = sum(1 for _ in NVIDIA_PROC.iterdir())
         if count:
             return [str(i) for i in range(count)]
-    if shutil.which("nvidia-smi"):
-        try:
-            listing = subprocess.run(
-                ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True
-            ).stdout
-        except (OSError, subprocess.SubprocessError):
-            return []
-        return [str(i) for i, _ in enumerate(re.findall(r"^GPU \d+:", listing, re.MULTILINE))]
-    return []
+    return [str(i) for i, _ in enumerate(re.findall(r"^GPU \d+:", _nvidia_smi("-L"), re.MULTILINE))]
 
 
 def local_gpu_memory_bytes() -> int | None:
     """The smallest memory of this machine's NVIDIA GPUs (``nvidia-smi``), None without them."""
-    if not shutil.which("nvidia-smi"):
-        return None
-    try:
-        listing = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=30, check=True).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
+    listing = _nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader,nounits")
     mib = [int(value) for value in re.findall(r"^\s*(\d+)", listing, re.MULTILINE)]
     return min(mib) * 1024**2 if mib else None
 

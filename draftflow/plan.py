@@ -452,16 +452,17 @@ def plan_stages(config: dict, target: TargetModel, num_layer_ids: int, work: dic
     return stages + [stage("report", 1, 0, 0, 0, measured("report")), stage("provenance", 1, 0, 0, 0, measured("provenance"))]
 
 
-def gpu_fit(config: dict, target: TargetModel, local_memory: int | None) -> GpuFit | None:
+def gpu_fit(config: dict, target: TargetModel, local_memory=local_gpu_memory_bytes) -> GpuFit | None:
     """The target on the GPUs of one server (vllm.tensor_parallel_size of them): its weights
     split over them, one vllm.max_model_len sequence's KV cache and the runtime's reserve each,
-    against vLLM's share of a GPU of vllm.gpu_memory_gib (else of the GPUs here). None on CPU,
-    without a GPU memory to check against, or without weights to weigh."""
+    against vLLM's share of a GPU of vllm.gpu_memory_gib (else of the GPUs here, asked of
+    ``local_memory()`` only then). None on CPU, without a GPU memory to check against, or
+    without weights to weigh."""
     vllm = config["vllm"]
     if config["device"] != "cuda" or target.weight_bytes is None:
         return None
     given = vllm["gpu_memory_gib"]
-    gpu_bytes, source = (round(given * 1024**3), "vllm.gpu_memory_gib") if given else (local_memory, "the GPUs here")
+    gpu_bytes, source = (round(given * 1024**3), "vllm.gpu_memory_gib") if given else (local_memory(), "the GPUs here")
     if not gpu_bytes:
         return None
     share = float(flag_value(vllm["extra_args"], "--gpu-memory-utilization") or VLLM_GPU_MEMORY_UTILIZATION)
@@ -492,10 +493,7 @@ def existing_or(path: Path, estimate: float) -> float:
     return tree_bytes(path) if path.exists() else estimate
 
 
-def build_plan(
-    config: dict, run_dir: Path, rates: Rates, free_bytes: int | None = None, local_gpus: int | None = None,
-    local_gpu_memory: int | None = None,
-) -> Plan:
+def build_plan(config: dict, run_dir: Path, rates: Rates, free_bytes: int | None = None, local_gpus: int | None = None) -> Plan:
     """The plan of ``config``'s run, whose outputs go to ``run_dir`` (``<working directory>/results/<run>``)."""
     in_workdir = run_dir.parents[1] / config["target"]["path"]  # results/<run> sits in the working directory
     target = read_target_model(in_workdir if in_workdir.is_dir() else resolve_target(config["target"]["path"]).folder)
@@ -512,7 +510,7 @@ def build_plan(
     peak = total + sum(at_peak.values()) - sum(later.values())
     disk = run_dir if run_dir.exists() else Path.cwd()
     free = shutil.disk_usage(disk).free if free_bytes is None else free_bytes
-    fit = gpu_fit(config, target, local_gpu_memory)
+    fit = gpu_fit(config, target)
     unfit = [gpu_fit_warning(config, fit)] if fit and not fit.fits else []
     warnings = unfit + plan_warnings(config, work, stages, peak, free, local_gpus) + hashing_warning(unhashed)
     return Plan(
@@ -577,8 +575,7 @@ def write_plan(config: dict, target: Path, run_dir: Path, local_gpus: int | None
         print("plan: written once the target exists (the next run)", file=sys.stderr)
         return None
     try:
-        rates = load_rates(config["plan"]["rates"], config["device"])
-        plan = build_plan(config, run_dir, rates, local_gpus=local_gpus, local_gpu_memory=local_gpu_memory_bytes())
+        plan = build_plan(config, run_dir, load_rates(config["plan"]["rates"], config["device"]), local_gpus=local_gpus)
     except (OSError, ValueError, KeyError) as error:  # an estimate never stops a run
         print(f"plan: not written ({type(error).__name__}: {error})", file=sys.stderr)
         return None
@@ -621,7 +618,6 @@ def render_markdown(plan: Plan) -> str:
         + ("fits." if plan.exit_code == FITS else "**will not fit**."),
         "",
         *gpu_fit_lines(plan.gpu_fit),
-        "",
         "Wall times add up stage by stage; stages that run side by side finish sooner.",
     ]
     if plan.warnings:
@@ -635,7 +631,7 @@ def gpu_fit_lines(fit: GpuFit | None) -> list[str]:
     return [f"GPU memory per server GPU: {fmt_bytes(fit.needed_bytes)} needed (weights {fmt_bytes(fit.weight_bytes)}, "
             f"KV cache of one sequence {fmt_bytes(fit.kv_cache_bytes)}, runtime {fmt_bytes(fit.reserve_bytes)}, an "
             f"estimate), vLLM takes {fmt_bytes(fit.usable_bytes)} of {fmt_bytes(fit.gpu_bytes)} ({fit.source}): "
-            + ("fits." if fit.fits else "**will not fit**.")]  # fmt: skip
+            + ("fits." if fit.fits else "**will not fit**."), ""]  # fmt: skip
 
 
 def render_json(plan: Plan) -> str:
@@ -661,8 +657,7 @@ def main(argv: list[str] | None = None, prog: str = "draftflow plan") -> int:
         config = load_config(*args.configfile)
         rates = load_rates(args.rates, config["device"])
         gpus = local_gpu_count() if args.gpus is None else args.gpus
-        run_dir = args.directory / run_folder.result(config["run"], "")
-        plan = build_plan(config, run_dir, rates, args.free_bytes, gpus, local_gpu_memory_bytes())
+        plan = build_plan(config, args.directory / run_folder.result(config["run"], ""), rates, args.free_bytes, gpus)
     except (FileNotFoundError, ValueError, KeyError) as error:
         print(f"plan: {error}", file=sys.stderr)
         return 1
