@@ -64,9 +64,7 @@ def drafter_parameters(target: TargetModel, num_aux: int, draft_vocab: int, num_
     hidden norm; the final norm. Trained: all but the embedding and lm_head.
     """
     hidden, intermediate = target.hidden_size, target.setting("intermediate_size")
-    heads = target.setting("num_attention_heads")
-    kv_heads = target.text_config.get("num_key_value_heads") or heads
-    head_dim = target.head_dim
+    heads, kv_heads, head_dim = target.setting("num_attention_heads"), target.kv_heads, target.head_dim
 
     def layer(inputs: int) -> int:
         attention = inputs * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden

@@ -98,13 +98,18 @@ class TargetModel:
         return self.text_config.get("head_dim") or self.hidden_size // self.setting("num_attention_heads")
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_key_value_heads`` where the config gives it, else the attention heads."""
+        return self.text_config.get("num_key_value_heads") or self.setting("num_attention_heads")
+
+    @property
     def parameters_per_token(self) -> int:
         """The weights one token is multiplied with, from the config (an estimate): each layer's
         attention projections and MLP (for an MoE the experts a token is routed to and the
         shared ones), and the output head. What a forward pass's compute per token goes as."""
         text, hidden = self.text_config, self.hidden_size
         heads = self.setting("num_attention_heads")
-        attention = hidden * self.head_dim * 2 * (heads + (text.get("num_key_value_heads") or heads))
+        attention = hidden * self.head_dim * 2 * (heads + self.kv_heads)
         routed = text.get("num_experts_per_tok") or text.get("num_experts_per_token")
         if routed and text.get("moe_intermediate_size"):
             shared = text.get("n_shared_experts") or text.get("num_shared_experts") or 0
@@ -123,8 +128,7 @@ class TargetModel:
         if text.get("kv_lora_rank"):
             per_layer = text["kv_lora_rank"] + text.get("qk_rope_head_dim", 0)
         else:
-            heads = text.get("num_key_value_heads") or self.setting("num_attention_heads")
-            per_layer = 2 * max(1, heads // tensor_parallel_size) * self.head_dim
+            per_layer = 2 * max(1, self.kv_heads // tensor_parallel_size) * self.head_dim
         return self.num_layers * per_layer * dtype_bytes
 
     def check_draft_vocab_size(self, draft_vocab_size: int) -> None:

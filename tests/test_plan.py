@@ -189,7 +189,8 @@ def test_the_gpu_defaults_are_measurements_scaled_to_the_target_and_say_so(tmp_p
             "head_dim": 112, "num_hidden_layers": 61, "vocab_size": 163840, "moe_intermediate_size": 2048,
             "num_experts_per_tok": 8, "n_shared_experts": 1}  # fmt: skip
     (tmp_path / "llama/config.json").write_text(json.dumps(kimi))
-    config = load_config(tmp_path / "config.yaml") | {"vllm": load_config(tmp_path / "config.yaml")["vllm"] | {"tensor_parallel_size": 8}}
+    config = load_config(tmp_path / "config.yaml")
+    config["vllm"]["tensor_parallel_size"] = 8
     plan = build_plan(config, tmp_path / "results/llama-8b", load_rates(None, "cuda"), free_bytes=2 * 10**12, local_gpus=8)
     per_token = 61 * (7168 * 112 * 2 * 128 + 3 * 7168 * 2048 * 9) + 7168 * 163840
     extraction = next(note for note in plan.rate_notes if note.startswith("extraction"))
