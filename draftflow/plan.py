@@ -107,15 +107,14 @@ class Rates:
 # Sources: "cpu" is this repository's demo on 2 cores (make test, 2026-11-30; the two
 # fidelity jobs 2026-12-03; the generation gather 2026-12-05); "cuda" scales its
 # model load, extraction and training to the target from the GPU measurements below
-# (``on_target``); generation on a GPU was not measured at a size that predicts a
-# target's: 5,000 response tokens/s per server is an assumption, and the plan says so.
+# (``on_target``).
 # Rates from your own earlier run (--rates results/<run>) replace all of them.
 DEFAULT_RATES = {
     "cpu": Rates("defaults: the demo on 2 CPU cores", 20.0, 765.0, 2230.0, 540.0, 3000.0,
                  {"prompts": 0.1, "generate": 6.6, "vocab_map": 7.6, "extract_plan": 2.3, "extract": 2.0, "fidelity_reference": 8.1,
                   "fidelity": 3.2, "drafter_init": 13.4, "train_views": 2.0, "evaluate": 7.6, "serve_check": 25.0,
                   "report": 0.5, "provenance": 0.1}),
-    "cuda": Rates("defaults: GPU measurements scaled to the target (generation assumed)", None, None, 20000.0, None, None,
+    "cuda": Rates("defaults: GPU measurements scaled to the target", None, None, 20000.0, None, None,
                   {"prompts": 1.0, "generate": 120.0, "vocab_map": 60.0, "extract_plan": 60.0, "extract": 10.0, "fidelity_reference": 600.0,
                    "fidelity": 60.0, "drafter_init": 120.0, "train_views": 60.0, "evaluate": 600.0, "serve_check": 1800.0,
                    "report": 5.0, "provenance": 1.0}),
@@ -130,12 +129,30 @@ DEFAULT_RATES = {
 # 36,442 tokens/s per H200 (2026-11-29): a drafter's layers go as its hidden size squared.
 # A server's start: 130 s on an H100 for a 115M-parameter target (its first start, kernels
 # built; 2026-12-07), or the 1T reference run's (issue 14, not measured here: 594 GB of
-# weights in 24.5 minutes) scaled by the weights' bytes, whichever is longer.
+# weights in 24.5 minutes) scaled by the weights' bytes, whichever is longer. Generation:
+# vLLM 0.26.0 on one H100 answering a target of Llama-3.1-8B's shape (random weights,
+# 256-token prompts, 512-token answers; bench/gpu/generation_rate.py, 2026-12-07) at three
+# concurrencies: a decode step reads every weight once for all the requests in flight, so
+# the rate rises with them (as them below the first measured) and goes as the inverse of the
+# parameters per token; between measured concurrencies it is interpolated, past the last held.
 MEASURED_EXTRACTION = (39179.0, 7_504_658_432, "39,179 tokens/s at 7.50B parameters per token on one H200")
 MEASURED_TRAINING = (36442.0, 4096, "36,442 tokens/s per H200 at hidden size 4,096")
 MEASURED_SERVER_START_S = 130.0
 REFERENCE_LOAD = (1470.0, 594e9)  # seconds, weight bytes
-ASSUMED_GENERATION_TOKENS_PER_S = 5000.0  # vLLM on a GPU was not measured at a size that predicts a target's
+MEASURED_GENERATION = ({16: 2315.7, 64: 7225.0, 256: 14583.4}, 7_504_658_432, "on one H100 at 7.50B parameters per token")
+
+
+def measured_generation_rate(concurrency: int) -> float:
+    """MEASURED_GENERATION's response tokens/s at ``concurrency`` requests in flight: in
+    proportion below the first measured, log-linear between two, the last's above it."""
+    points = sorted(MEASURED_GENERATION[0].items())
+    if concurrency <= points[0][0]:
+        return points[0][1] * concurrency / points[0][0]
+    for (low, low_rate), (high, high_rate) in zip(points, points[1:]):
+        if concurrency <= high:
+            share = math.log(concurrency / low) / math.log(high / low)
+            return low_rate + share * (high_rate - low_rate)
+    return points[-1][1]
 
 
 def on_target(rates: Rates, target: TargetModel, config: dict) -> tuple[Rates, list[str]]:
@@ -161,9 +178,13 @@ def on_target(rates: Rates, target: TargetModel, config: dict) -> tuple[Rates, l
                      f"({MEASURED_SERVER_START_S:.0f} s, a 115M target) and the 1T reference run's 24.5 minutes scaled "
                      f"to these weights ({fmt_duration(from_weights)}; not measured here)")  # fmt: skip
     if rates.generate_tokens_per_s is None:
-        scaled["generate_tokens_per_s"] = ASSUMED_GENERATION_TOKENS_PER_S
-        notes.append(f"generation {ASSUMED_GENERATION_TOKENS_PER_S:,.0f} response tokens/s per server: an assumption, "
-                     "not a measurement (--rates results/<run> takes an earlier run's)")  # fmt: skip
+        concurrency = config["generate"]["concurrency"]
+        at_concurrency = measured_generation_rate(concurrency)
+        _, parameters, what = MEASURED_GENERATION
+        scaled["generate_tokens_per_s"] = at_concurrency * parameters / target.parameters_per_token * gpus
+        notes.append(f"generation {scaled['generate_tokens_per_s']:,.0f} response tokens/s per server: {at_concurrency:,.0f} "
+                     f"at generate.concurrency {concurrency} {what} (BENCHMARKS.md), scaled to this target's "
+                     f"{target.parameters_per_token / 1e9:.2f}B on {gpus} GPU(s)")  # fmt: skip
     return replace(rates, **scaled), notes
 
 

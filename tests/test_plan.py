@@ -7,7 +7,17 @@ import yaml
 
 from draftflow.config import load_config
 from draftflow.costs import tree_bytes
-from draftflow.plan import FITS, WILL_NOT_FIT, build_plan, load_rates, main, rates_from_run, write_plan
+from draftflow.plan import (
+    FITS,
+    MEASURED_GENERATION,
+    WILL_NOT_FIT,
+    build_plan,
+    load_rates,
+    main,
+    measured_generation_rate,
+    rates_from_run,
+    write_plan,
+)
 from draftflow.target_model import read_target_model
 from tests.conftest import REPO, demo_config
 
@@ -168,7 +178,8 @@ LLAMA_8B = {
 
 def test_the_gpu_defaults_are_measurements_scaled_to_the_target_and_say_so(tmp_path, capsys, monkeypatch):
     """The llama-8b example plans with BENCHMARKS.md's figures for its own shape; the 1T example's
-    MoE with them scaled by its routed parameters and its 8 GPUs; generation is called an assumption."""
+    MoE with them scaled by its routed parameters and its 8 GPUs; generation at the example's
+    concurrency from the rates measured at three."""
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama/config.json").write_text(json.dumps(LLAMA_8B))
     (tmp_path / "llama/model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 16_060_522_496}}))
@@ -183,7 +194,12 @@ def test_the_gpu_defaults_are_measurements_scaled_to_the_target_and_say_so(tmp_p
     markdown = capsys.readouterr().out
     assert "- extraction 39,179 tokens/s per server job: 39,179 tokens/s at 7.50B parameters per token on one H200 (BENCHMARKS.md)" in markdown
     assert "- training 36,442 tokens/s per GPU: 36,442 tokens/s per H200 at hidden size 4,096 (BENCHMARKS.md)" in markdown
-    assert "- generation 5,000 response tokens/s per server: an assumption, not a measurement" in markdown
+    assert ("- generation 10,904 response tokens/s per server: 10,904 at generate.concurrency 128 on one H100 at 7.50B "
+            "parameters per token (BENCHMARKS.md), scaled to this target's 7.50B on 1 GPU(s)") in markdown  # fmt: skip
+    measured = MEASURED_GENERATION[0]
+    assert measured_generation_rate(8) == measured[16] / 2  # in proportion below the first
+    assert measured_generation_rate(64) == measured[64]
+    assert measured_generation_rate(1024) == measured[256]  # held past the last
 
     kimi = {**LLAMA_8B, "model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64,
             "head_dim": 112, "num_hidden_layers": 61, "vocab_size": 163840, "moe_intermediate_size": 2048,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The workflow with vLLM on one GPU on a target that keeps the GPU busy (issue 58), then the
-# Trainer killed inside an epoch and rerun (issue 57), in phases that a lease's 10-minute
+# The workflow with vLLM on one GPU on a target that keeps the GPU busy, and generation's rate
+# at Llama-3.1-8B's shape (issue 58), in phases that a lease's 10-minute
 # commands take one after another on a warm machine: each call runs the phases not yet tried
 # until DEADLINE seconds after it started (default 560), then stops; the next call goes on
 # (a workflow the deadline stopped resumes; a phase tried once is not tried again). Phases:
@@ -14,8 +14,8 @@
 #                at temperatures 0, 0.7 and 1
 #   speed        served tokens/s with and without the drafter on the first SPEED_PROMPTS (64)
 #                held-out and MT-Bench prompts (bench/gpu/served_speed.py --graphs)
-#   kill         train.lr edited (bench/gpu/larger-killed.yaml: a new key, a checkpoint every 2
-#                steps), killed once a checkpoint inside an epoch exists, rerun: it resumes there
+#   generation   response tokens/s of one vLLM engine on a random target of Llama-3.1-8B's shape
+#                at concurrency 16, 64 and 256 (bench/gpu/generation_rate.py; the plan's rate)
 #   transformers the same extraction with the transformers backend, for its rate (last: its
 #                files replace the vllm backend's)
 #
@@ -31,14 +31,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 deadline=${DEADLINE:-560}
 PY=.venv-cuda/bin/python
 configs=(config/config.yaml bench/gpu/larger-vllm.yaml)
-killed=("${configs[@]}" bench/gpu/larger-killed.yaml)
 run=results/gpu-larger
 left() { echo $((deadline - SECONDS)); }
 finished() { [ -f "$STATE/$1.done" ]; }
 say() { echo "$*" | tee -a "$OUT/summary.txt" "$STATE/summary.txt" >/dev/null; echo "$*"; }
 collect() {
     cp "$STATE/summary.txt" "$OUT/summary.txt" 2>/dev/null
-    tar czf "$OUT/run.tgz" --ignore-failed-read -C "$STATE" logs served_speed.json summary.txt \
+    tar czf "$OUT/run.tgz" --ignore-failed-read -C "$STATE" logs served_speed.json generation_rate.json summary.txt \
         vllm-extract_server-0.tsv transformers-extract_server-0.tsv -C "$PWD" "$run/evaluation" \
         "$run/synthetic/stats.json" "$run/hidden_states/manifest.json" "$run/train/stats.json" "$run/report" \
         "$run/run_plan.md" "$run/drafter/README.md" logs/gpu-larger benchmarks/gpu-larger 2>/dev/null
@@ -60,7 +59,6 @@ in_group() {
     kill -KILL -- -"$pid" 2>/dev/null  # what the group left running
     return $status
 }
-steps() { "$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['steps'])" "$run/train/stats.json"; }
 
 if [ ! -x "$PY" ]; then
     [ -d wheelhouse ] || cat /tmp/parts/part-* | tar x || exit 1
@@ -99,38 +97,16 @@ if ! finished speed && [ "$(left)" -gt 240 ]; then
     say "speed: $(tr -d '\n ' <"$STATE/served_speed.json" 2>/dev/null || tail -3 "$STATE/logs/speed.log")"
 fi
 
-drafter=$run/drafter_trained/model.safetensors
-if finished speed && ! finished kill && [ "$(left)" -gt 200 ]; then
-    say "kill: before, the workflow's drafter sha256 $(sha256sum "$drafter" | cut -c1-16), steps $(steps)"
-    before=$(ls "$run/train/work")
-    setsid "$PY" -m snakemake --cores "$(nproc)" --resources gpu=1 --configfile "${killed[@]}" -- train \
-        >"$STATE/logs/killed.log" 2>&1 &
-    job=$!  # its process group: Snakemake, the train job, torchrun and its workers
-    # a checkpoint inside an epoch of the new key: its training_state.json says a local step above 0
-    mid_epoch() {
-        for work in "$run"/train/work/*/; do
-            grep -qx "$(basename "$work")" <<<"$before" && continue
-            grep -qsE '"local_step": [1-9]' "$work"checkpoints/[0-9]*/training_state.json && return 0
-        done
-        return 1
-    }
-    for _ in $(seq 15000); do mid_epoch && break; kill -0 $job 2>/dev/null || break; sleep 0.02; done
-    kill -KILL -- -$job 2>/dev/null
-    wait $job 2>/dev/null
-    say "kill: killed at $(cat "$run"/train/work/*/checkpoints/[0-9]*/training_state.json 2>/dev/null | tr '\n' ' ')"
-    metrics=$(ls "$run"/train/work/*/metrics.jsonl 2>/dev/null | head -1)
-    records=$(wc -l <"${metrics:-/dev/null}")
-    "$PY" -m snakemake --unlock --configfile "${killed[@]}" >/dev/null 2>&1
-    in_group $(($(left) - 30)) "$PY" -m snakemake --cores "$(nproc)" --resources gpu=1 --rerun-incomplete \
-        --configfile "${killed[@]}" -- train >>"$STATE/logs/killed.log" 2>&1
-    say "kill: the rerun exited $?"
-    touch "$STATE/kill.done"
-    grep -E "training key|removing|[Rr]esum|Fast-skipping" "logs/gpu-larger/train.log" | tail -6 | while read -r line; do say "kill: $line"; done
-    say "kill: step records $records before the kill; after the rerun: $("$PY" -c "import json, sys; s = [r['step'] for r in map(json.loads, open(sys.argv[1])) if 'step' in r]; print(len(s), 'records, steps', s[:3], '...', s[-3:])" "$metrics" 2>&1 | tail -1)"
-    say "kill: after, drafter sha256 $(sha256sum "$drafter" | cut -c1-16), steps $(steps)"
+if finished speed && ! finished generation && [ "$(left)" -gt 240 ]; then
+    started=$SECONDS
+    in_group $(($(left) - 30)) bash -c "$PY bench/gpu/generation_rate.py --model /tmp/llama-8b-shape --build &&
+        $PY bench/gpu/generation_rate.py --model /tmp/llama-8b-shape --out $STATE/generation_rate.json" >"$STATE/logs/generation.log" 2>&1
+    touch "$STATE/generation.done"
+    say "generation: $((SECONDS - started)) s; $(tr -d '\n ' <"$STATE/generation_rate.json" 2>/dev/null || tail -5 "$STATE/logs/generation.log")"
+    rm -rf /tmp/llama-8b-shape
 fi
 
-if finished kill && ! finished transformers && [ "$(left)" -gt 150 ]; then
+if finished generation && ! finished transformers && [ "$(left)" -gt 150 ]; then
     printf 'extract:\n  backend: transformers\n' >"$STATE/transformers.yaml"
     in_group $(($(left) - 30)) "$PY" -m snakemake --cores "$(nproc)" --resources gpu=1 --configfile "${configs[@]}" \
         "$STATE/transformers.yaml" -- "$run/hidden_states/manifest.json" >"$STATE/logs/transformers.log" 2>&1

@@ -22,7 +22,7 @@
 #                                                #   without the drafter (bench/gpu/vllm_gpu.sh; .venv-cuda from a wheelhouse,
 #                                                #   docs/install.md, or vllm 0.26.0 in .whl/)
 #   bash bench/gpu/run_gpu.sh larger             # the workflow with vLLM on a 115M-parameter target trained there, the served
-#                                                #   speed, the Trainer killed inside an epoch, the transformers backend: phases
+#                                                #   speed, generation at Llama-3.1-8B's shape, the transformers backend: phases
 #                                                #   a later call continues (bench/gpu/larger_gpu.sh; .venv-cuda from wheelhouse/)
 #   bash bench/gpu/run_gpu.sh train-key          # after workflow: train.lr edited, a kill inside an epoch and the rerun
 #                                                #   (bench/gpu/train_key_gpu.sh)
