@@ -82,9 +82,9 @@ def later_stage_bytes(
 
     The untrained drafter is saved in bfloat16. The training state also holds
     the target's lm_head and norm, and Adam's two moments of the trained
-    parameters. CPU (draftflow's loop): the drafter in float32 and one
-    training checkpoint, counted twice at the peak, as it is replaced by a new
-    one atomically. CUDA (speculators' Trainer): bfloat16 and a checkpoint per
+    parameters. CPU (draftflow's loop): the drafter in float32, one training
+    checkpoint, counted twice at the peak, as it is replaced by a new one
+    atomically, and each epoch's drafter (the best is shipped). CUDA (speculators' Trainer): bfloat16 and a checkpoint per
     epoch, all kept. Training views: rows of the prepared dataset
     (``prepared_bytes``; the hidden states are links). Evaluation and report:
     a fixed allowance.
@@ -96,7 +96,8 @@ def later_stage_bytes(
         drafter = 2 * in_training
         checkpoints = config["train"]["epochs"] * (2 * in_training + 4 * trained)
     else:
-        drafter, checkpoints = 4 * saved, (2 if peak else 1) * (4 * in_training + 8 * trained)
+        drafter = 4 * saved
+        checkpoints = (2 if peak else 1) * (4 * in_training + 8 * trained) + config["train"]["epochs"] * drafter
     return {
         "untrained drafter": 2 * saved,
         "drafter": drafter,

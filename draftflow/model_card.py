@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from draftflow.acceptance_tables import TEMPERATURE_NOTE, category_tables, sets_table, temperature_table
+from draftflow.epoch_selection import curve_lines, describe
 from draftflow.io import atomic_path
 from draftflow.sampling import sampling_text
 
@@ -133,7 +134,9 @@ def card_text(inputs: dict, settings: dict, files: dict[str, str]) -> str:
         f"- draft vocabulary: {coverage['draft_vocab_size']:,} of the target's {coverage['target_vocab_size']:,} "
         f"tokens, covering {100 * coverage['coverage']:.1f}% of the answer tokens",
         f"- training: {inputs['train'].get('epochs')} epochs, {inputs['train'].get('steps')} steps, final loss "
-        f"{inputs['train'].get('final_loss', float('nan')):.3f} ({inputs['train'].get('trainer')})", "",
+        f"{inputs['train'].get('final_loss', float('nan')):.3f} ({inputs['train'].get('trainer')})",
+        f"- shipped: {describe(inputs['train']['selection'])}", "",
+        *curve_lines(inputs["train"]["selection"]), "",
         "## Provenance", "",
         f"- target fingerprint (config, weights, tokenizer, chat template): `{provenance['target']['fingerprint']}`",
         "- packages: " + ", ".join(f"{name} {version}" for name, version in provenance["packages"].items()),

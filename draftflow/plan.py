@@ -465,12 +465,19 @@ def plan_stages(config: dict, target: TargetModel, num_layer_ids: int, work: dic
         stage("drafter_init", 1, 0, 0, later["untrained drafter"], measured("drafter_init")),
         stage("train_views", 1, 0, 0, later["training views"], measured("train_views")),
         stage("train", 1, train_gpus, 0, later["drafter"] + later["training checkpoints"],
-              tokens * config["train"]["epochs"] / rates.train_tokens_per_s / max(1, train_gpus)),
+              tokens * config["train"]["epochs"] / rates.train_tokens_per_s / max(1, train_gpus)
+              + selection_seconds(config["train"], tokens / max(1, samples), rates.train_tokens_per_s)),
         stage("evaluate", 1, 0, 0, later["evaluation and report"], measured("evaluate")),
     ]  # fmt: skip
     if serve:
         stages.append(stage("serve_check", 1, gpus, 1, 0, measured("serve_check")))
     return stages + [stage("report", 1, 0, 0, 0, measured("report")), stage("provenance", 1, 0, 0, 0, measured("provenance"))]
+
+
+def selection_seconds(train: dict, tokens_per_sample: float, train_tokens_per_s: float) -> float:
+    """Measuring each epoch's drafter on train.selection_samples held-out samples: a forward
+    pass, about a third of a training step's work a token (draftflow.epoch_selection)."""
+    return train["epochs"] * train["selection_samples"] * tokens_per_sample / (3 * train_tokens_per_s)
 
 
 def gpu_fit(config: dict, target: TargetModel, local_memory=local_gpu_memory_bytes) -> GpuFit | None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from draftflow import run_folder
 from draftflow.acceptance_tables import TEMPERATURE_NOTE, category_tables, plot_sets, sets_table, temperature_table
+from draftflow.epoch_selection import curve_lines, describe, plot_curve
 from draftflow.extract import layout
 from draftflow.io import atomic_path, read_json, write_text
 from draftflow.plots import pyplot, save_png
@@ -194,6 +195,8 @@ def markdown(run: str, rows: list[dict], stats: dict, compared: dict[str, dict])
     ]  # fmt: skip
     if served:
         lines += ["![offline and served](../evaluation/served_acceptance.png)", ""]
+    lines += ["## The epoch shipped", "", f"Shipped: {describe(stats['train']['selection'])}.", "",
+              *curve_lines(stats["train"]["selection"]), "", "![acceptance per epoch](epochs.png)", ""]  # fmt: skip
     lines += ["## Acceptance by temperature (held-out samples)", "", *temperature_table(evaluation, served), "", TEMPERATURE_NOTE, ""]
     lines += ["## Acceptance by evaluation set", "", *sets_table(evaluation, served), "",
               "samples: answered turns (a two-turn question gives two). τ: mean acceptance length (1 + accepted "
@@ -215,4 +218,5 @@ def build_report(
     write_runtimes_tsv(rows, outputs["runtimes"])
     plot_runtimes(rows, outputs["plot"])
     plot_sets(stats["evaluation"], stats.get("served"), outputs["sets_plot"])
+    plot_curve(stats["train"]["selection"], outputs["epochs_plot"])
     write_text(outputs["markdown"], markdown(run, rows, stats, compared))

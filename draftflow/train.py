@@ -32,6 +32,15 @@ from tqdm import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from draftflow import trainer_launch
+from draftflow.epoch_selection import (
+    SCORE_FILE,
+    EpochScorer,
+    best_epoch,
+    describe,
+    measure_epochs,
+    patience_spent,
+    selection_stats,
+)
 from draftflow.io import atomic_path, write_json
 from draftflow.fingerprint import file_sha256
 from draftflow.target_model import read_target_model
@@ -64,6 +73,8 @@ class TrainSettings:
     gpus: int
     seed: int
     device: str
+    selection_samples: int
+    early_stopping_patience: int | None
 
 
 def drafter_flags(
@@ -173,7 +184,25 @@ class Checkpoint:
             torch.save(state, tmp)
 
 
-def train_on_cpu(init_dir: Path, view_dir: Path, settings: TrainSettings, work_dir: Path, output: Path) -> dict:
+def cpu_epoch_folder(work_dir: Path, epoch: int) -> Path:
+    """Where the CPU loop keeps ``epoch``'s drafter, as the epoch ends."""
+    return work_dir / "epochs" / str(epoch)
+
+
+def finished_epoch_folders(folder_of, epochs: int) -> list[Path]:
+    """The drafter folders of the epochs finished so far, epoch 0 first (``folder_of(epoch)``:
+    the folder, or None where that epoch has not ended)."""
+    folders = []
+    for epoch in range(epochs):
+        if (folder := folder_of(epoch)) is None:
+            break
+        folders.append(folder)
+    return folders
+
+
+def train_on_cpu(
+    init_dir: Path, view_dir: Path, settings: TrainSettings, work_dir: Path, output: Path, scorer: EpochScorer | None
+) -> dict:
     torch.manual_seed(settings.seed)
     model = load_drafter(init_dir, settings.attention)
     num_aux = len(model.config.eagle_aux_hidden_state_layer_ids)
@@ -192,11 +221,18 @@ def train_on_cpu(init_dir: Path, view_dir: Path, settings: TrainSettings, work_d
         start_epoch, skip_steps, global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
         history = state["history"]
         print(f"resuming at epoch {start_epoch}, step {skip_steps} (global step {global_step})")
+    def folder_of(epoch: int) -> Path | None:
+        return folder if (folder := cpu_epoch_folder(work_dir, epoch)).exists() else None
+
+    curve = measure_epochs(finished_epoch_folders(folder_of, start_epoch), scorer, settings.early_stopping_patience)
     started = time.monotonic()
     tokens = 0
     model.train()
     progress = tqdm(total=total_steps, initial=global_step, desc="train", unit="step")
     for epoch in range(start_epoch, settings.epochs):
+        if patience_spent(curve, settings.early_stopping_patience):
+            print(f"stopping before epoch {epoch + 1}: {settings.early_stopping_patience} epoch(s) without a better drafter")
+            break
         for step, batch in enumerate(data_loader(view_dir, settings, num_aux, model.hidden_size, epoch), 1):
             if epoch == start_epoch and step <= skip_steps:
                 continue
@@ -219,9 +255,15 @@ def train_on_cpu(init_dir: Path, view_dir: Path, settings: TrainSettings, work_d
             if global_step % settings.checkpoint_every_steps == 0:
                 checkpoint.save(model, optimizer, scheduler, epoch, step, global_step, history)
         skip_steps = 0
+        save_drafter(model, cpu_epoch_folder(work_dir, epoch))
+        checkpoint.save(model, optimizer, scheduler, epoch + 1, 0, global_step, history)  # a rerun starts the next epoch
+        if scorer is not None:
+            curve = measure_epochs(finished_epoch_folders(folder_of, epoch + 1), scorer, settings.early_stopping_patience)
+            progress.write(f"epoch {epoch + 1}: mean acceptance length {curve[-1]['mean_acceptance_length']:.3f} (decoding replay)")
     progress.close()
     seconds = time.monotonic() - started
-    save_drafter(model, output)
+    finished = finished_epoch_folders(folder_of, settings.epochs)
+    ship_epoch(finished, curve, output)
     return {
         "steps": global_step,
         "epochs": settings.epochs,
@@ -231,15 +273,20 @@ def train_on_cpu(init_dir: Path, view_dir: Path, settings: TrainSettings, work_d
         "supervised_tokens_per_second": tokens / seconds if seconds else 0.0,
         "gpus": 0,
         "trainer": "draftflow single-process loop (CPU)",
+        "curve": curve,
     }
+
+
+STEP_NEUTRAL_SETTINGS = ("checkpoint_every_steps", "selection_samples", "early_stopping_patience")
 
 
 def training_key(init_dir: Path, view_dir: Path, settings: TrainSettings) -> str:
     """What a training run's checkpoints belong to: its settings, the untrained drafter it starts
     from (its config and weights: speculators' run records beside them name times and folders)
     and what it reads of its view (``view_identity``)."""
-    # how often it saves changes no step; the GPU count does (each rank's share of an epoch)
-    trained_by = {name: value for name, value in asdict(settings).items() if name != "checkpoint_every_steps"}
+    # how often it saves, which epochs are measured and where training stops change no step; the
+    # GPU count does (each rank's share of an epoch)
+    trained_by = {name: value for name, value in asdict(settings).items() if name not in STEP_NEUTRAL_SETTINGS}
     digest = hashlib.sha256()
     drafter = [file_sha256(init_dir / name) for name in ("config.json", "model.safetensors")]
     for part in (json.dumps(trained_by, sort_keys=True), *drafter, view_identity(view_dir)):
@@ -259,12 +306,28 @@ def keyed_work_dir(work_dir: Path, key: str) -> Path:
     return work_dir / key
 
 
-def train_drafter(init_dir: Path, view_dir: Path, settings: TrainSettings, work_dir: Path, output: Path) -> dict:
-    """Train on the device ``settings`` name, resuming only this training key's checkpoints."""
+def train_drafter(
+    init_dir: Path, view_dir: Path, settings: TrainSettings, work_dir: Path, output: Path, scorer: EpochScorer | None = None
+) -> dict:
+    """Train on the device ``settings`` name, resuming only this training key's checkpoints;
+    ``scorer`` measures each epoch's drafter as it ends (``draftflow.epoch_selection``) and the
+    best is shipped to ``output``, else the last."""
     key = training_key(init_dir, view_dir, settings)
     train = train_on_cpu if settings.device == "cpu" else train_with_trainer
     print(f"training key {key}: checkpoints in {work_dir / key}")
-    return train(init_dir, view_dir, settings, keyed_work_dir(work_dir, key), output)
+    stats = train(init_dir, view_dir, settings, keyed_work_dir(work_dir, key), output, scorer)
+    stats["selection"] = selection_stats(scorer, stats.pop("curve"), settings.epochs, settings.early_stopping_patience,
+                                         stats.get("loss_history", []))  # fmt: skip
+    print(f"shipped: {describe(stats['selection'])}")
+    return stats
+
+
+def ship_epoch(finished: list[Path], curve: list[dict], output: Path) -> None:
+    """The best epoch's drafter (``curve``'s; the last finished where nothing was measured) to ``output``."""
+    best = best_epoch(curve)
+    chosen = finished[-1] if best is None else finished[best - 1]
+    with atomic_path(output) as tmp:
+        shutil.copytree(chosen, tmp, ignore=shutil.ignore_patterns(SCORE_FILE, "training_state.json", "optimizer*", "scheduler*"))
 
 
 def save_drafter(model: Eagle3DraftModel, output: Path) -> None:
@@ -337,37 +400,86 @@ def trainer_flags(init_dir: Path, view_dir: Path, settings: TrainSettings, work_
 TRAINER_LAUNCH = trainer_launch.__name__  # what torchrun runs: speculators' Trainer, as draftflow keeps its records
 
 
+def trainer_epoch_folder(checkpoints: Path, epoch: int) -> Path | None:
+    """speculators' Trainer's checkpoint of ``epoch`` where it holds the epoch's end (its
+    ``training_state.json`` says local step 0; a checkpoint inside the epoch says more), else None."""
+    state = checkpoints / str(epoch) / "training_state.json"
+    if not state.exists():
+        return None
+    recorded = json.loads(state.read_text())
+    return state.parent if recorded.get("epoch") == epoch and recorded.get("local_step", 0) == 0 else None
+
+
+# How often the training job looks for an epoch the Trainer finished, to measure it (seconds).
+EPOCH_POLL_S = 2.0
+
+
 def train_with_trainer(
-    init_dir: Path, view_dir: Path, settings: TrainSettings, work_dir: Path, output: Path
+    init_dir: Path, view_dir: Path, settings: TrainSettings, work_dir: Path, output: Path, scorer: EpochScorer | None
 ) -> dict:
     """speculators' Trainer under torchrun, one process per GPU.
 
     ``draftflow.trainer_launch`` runs speculators' own entry point and keeps the
     Trainer's per-step metric records and each rank's peak GPU memory in
     ``work_dir/metrics.jsonl``, so the stats say what the CPU loop's say: steps,
-    losses and supervised tokens/s.
+    losses and supervised tokens/s. Each epoch's checkpoint is measured as the
+    Trainer writes it (``scorer``); once ``settings.early_stopping_patience`` epochs
+    pass without a better one the Trainer is stopped, and a rerun does not start it.
     """
     metrics = work_dir / "metrics.jsonl"
+    checkpoints = work_dir / "checkpoints"
     work_dir.mkdir(parents=True, exist_ok=True)
-    if not resumable(work_dir / "checkpoints"):
+    if not resumable(checkpoints):
         metrics.unlink(missing_ok=True)  # a resumed run's steps add to those before the kill
+
+    def measured() -> tuple[list[Path], list[dict]]:
+        finished = finished_epoch_folders(lambda epoch: trainer_epoch_folder(checkpoints, epoch), settings.epochs)
+        return finished, measure_epochs(finished, scorer, settings.early_stopping_patience)
+
     started = time.monotonic()
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={settings.gpus}",
-        "-m", TRAINER_LAUNCH, str(metrics), *trainer_flags(init_dir, view_dir, settings, work_dir),
-    ]  # fmt: skip
-    subprocess.run(command, check=True)
+    finished, curve = measured()
+    if len(finished) < settings.epochs and not patience_spent(curve, settings.early_stopping_patience):
+        command = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={settings.gpus}",
+            "-m", TRAINER_LAUNCH, str(metrics), *trainer_flags(init_dir, view_dir, settings, work_dir),
+        ]  # fmt: skip
+        trainer = subprocess.Popen(command)
+        try:
+            while trainer.poll() is None:
+                time.sleep(EPOCH_POLL_S)
+                finished, curve = measured()
+                if patience_spent(curve, settings.early_stopping_patience):
+                    print(f"stopping the Trainer after epoch {len(curve)}: {settings.early_stopping_patience} epoch(s) without a better drafter")
+                    break
+            else:
+                if trainer.returncode:
+                    raise subprocess.CalledProcessError(trainer.returncode, command)
+        finally:
+            stop(trainer)  # stopped early, or measuring an epoch failed: none trains on behind the job's back
+        finished, curve = measured()
     seconds = time.monotonic() - started
-    final = max((work_dir / "checkpoints").glob("[0-9]*"), key=lambda p: int(p.name))
-    with atomic_path(output) as tmp:
-        shutil.copytree(final, tmp)
+    ship_epoch(finished, curve, output)
     stats = {
         "epochs": settings.epochs,
         "seconds_this_run": seconds,
         "gpus": settings.gpus,
         "trainer": f"speculators Trainer ({settings.gpus} process{'es' if settings.gpus > 1 else ''}, bf16 autocast)",
+        "curve": curve,
     }
     return stats | trainer_metrics(metrics, view_dir, settings, TRAINER_DATA_RATIO)
+
+
+def stop(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM (torchrun passes it to its workers, which also die with it), then SIGKILL after
+    ``grace_s``; nothing where it has ended."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def trainer_metrics(metrics: Path, view_dir: Path, settings: TrainSettings, data_ratio: float) -> dict:

@@ -34,6 +34,11 @@ rule report:
             caption="../report/acceptance_by_set.rst",
             category="Evaluation",
         ),
+        epochs_plot=report(
+            result("report/epochs.png"),
+            caption="../report/epochs.rst",
+            category="Training",
+        ),
         markdown=report(
             result("report/report.md"),
             caption="../report/summary.rst",

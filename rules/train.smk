@@ -56,6 +56,9 @@ rule train:
     input:
         init=rules.drafter_init.output.drafter,
         train=rules.train_views.output.train,
+        heldout=rules.train_views.output.heldout,
+        generation=rules.generate.output.stats,
+        target=TARGET,
     output:
         drafter=directory(result(run_folder.TRAINED_DRAFTER)),
         stats=result("train/stats.json"),
@@ -71,6 +74,10 @@ rule train:
         depends=depends_on("train"),
         code=code_version("train"),
         settings=train_settings(),
+        selection={
+            "draft_tokens": config["evaluate"]["draft_tokens"],
+            "max_tokens": config["generate"]["max_tokens"],
+        },
         work_dir=result("train/work"),
     script:
         "../scripts/train.py"

@@ -9,6 +9,6 @@ with logged(snakemake.log[0]):
         snakemake.params.run,
         [Path(p) for p in inputs.benchmarks],
         {name: Path(path) for name, path in inputs.items() if name != "benchmarks" and path},
-        {name: Path(snakemake.output[name]) for name in ("runtimes", "plot", "sets_plot", "markdown")},
+        {name: Path(snakemake.output[name]) for name in ("runtimes", "plot", "sets_plot", "epochs_plot", "markdown")},
         {run: Path(results) for run, results in snakemake.params.compared.items()},
     )

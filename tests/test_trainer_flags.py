@@ -18,7 +18,7 @@ def test_the_trainer_flags_resolve_in_speculators_to_the_train_settings(tmp_path
     settings = TrainSettings(
         epochs=3, lr=2e-4, weight_decay=0.01, warmup_steps=7, ttt_steps=3, ttt_step_loss_decay=0.9, seq_length=2048,
         loss_fn="kl_div", loss_implementation="eager", attention="sdpa", num_layers=1, checkpoint_every_steps=500,
-        gpus=2, seed=5, device="cuda",
+        gpus=2, seed=5, device="cuda", selection_samples=0, early_stopping_patience=None,
     )  # fmt: skip
     view = tmp_path / "view"  # 40 rows of 100 tokens: speculators packs what the Trainer trains on (99%) into 2 sequences of 2,048
     Dataset.from_dict({"input_ids": [[1] * 100] * 40, "loss_mask": [[1] * 100] * 40, "seq_len": [100] * 40}).save_to_disk(str(view))

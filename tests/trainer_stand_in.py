@@ -10,7 +10,7 @@ the view's training rows into (speculators' dataset and batch sampler); checkpoi
 within it, 0 at its end, and the global step), every ``round(steps x checkpoint_freq)`` steps
 where that is below 1, else at each epoch's end; it resumes from the newest one unless
 ``--no-resume-from-checkpoint``, else starts from ``--from-pretrained``. Each step adds
-``lr x (its global step)`` to every weight, so the weights say which learning rate trained them,
+``lr x (its global step)`` to every floating-point weight, so the weights say which learning rate trained them,
 for how many steps, and from where. ``STAND_IN_DIE_AFTER_STEPS=N`` kills it after its N-th step
 of this run, as a lost node would; ``STAND_IN_STEP_SECONDS`` makes each step take that long.
 As ``draftflow.trainer_launch`` does first, it asks to die with its torchrun agent."""
@@ -71,7 +71,8 @@ def main() -> None:
     run_steps = 0
     while epoch < trainer["epochs"]:
         step, global_step, run_steps = step + 1, global_step + 1, run_steps + 1
-        weights = {name: tensor + lr * global_step for name, tensor in weights.items()}
+        # the weights move; the vocabulary maps (d2t, t2d: integer and boolean buffers) stay, as the Trainer's do
+        weights = {name: tensor + lr * global_step if tensor.is_floating_point() else tensor for name, tensor in weights.items()}
         time.sleep(float(os.environ.get("STAND_IN_STEP_SECONDS", 0)))
         with metrics.open("a") as stream:
             stream.write(json.dumps({"time": global_step, "step": global_step - 1, "epoch": epoch, "loss": 1 / global_step,

@@ -369,7 +369,7 @@ def train_main(args) -> None:
         settings = TrainSettings(
             epochs=1, lr=1.0e-4, weight_decay=0.0, warmup_steps=3, ttt_steps=3, ttt_step_loss_decay=1.0,
             seq_length=args.seq_length, loss_fn="kl_div", loss_implementation="eager", attention=args.attention,
-            num_layers=1, checkpoint_every_steps=500, gpus=gpus, seed=0, device="cuda",
+            num_layers=1, checkpoint_every_steps=500, gpus=gpus, seed=0, device="cuda", selection_samples=0, early_stopping_patience=None,
         )  # fmt: skip
         name = f"gpus_{gpus}"
         run_dir = work / name
@@ -377,7 +377,7 @@ def train_main(args) -> None:
         try:
             with claim_gpus(gpus, timeout_s=120) as ids:
                 log(f"train on {gpus} GPU(s): claimed {ids}")
-                stats = train_with_trainer(prepared["init_dir"], prepared["view"], settings, run_dir, work / f"drafter-{gpus}")
+                stats = train_with_trainer(prepared["init_dir"], prepared["view"], settings, run_dir, work / f"drafter-{gpus}", None)
         except Exception as error:  # noqa: BLE001 - keep what the other runs measured
             runs[name] = {"error": repr(error), "wall_seconds": time.perf_counter() - started}
             log(f"{name}: {error!r}")

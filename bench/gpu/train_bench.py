@@ -333,7 +333,7 @@ def main() -> None:
     settings = TrainSettings(
         epochs=1, lr=1.0e-4, weight_decay=0.0, warmup_steps=args.warmup, ttt_steps=3, ttt_step_loss_decay=1.0,
         seq_length=args.seq_length, loss_fn="kl_div", loss_implementation="eager", attention=args.attention,
-        num_layers=1, checkpoint_every_steps=500, gpus=1, seed=0, device=args.device,
+        num_layers=1, checkpoint_every_steps=500, gpus=1, seed=0, device=args.device, selection_samples=0, early_stopping_patience=None,
     )  # fmt: skip
     report["settings"] = settings.__dict__
     runs = report.setdefault("runs", {})
