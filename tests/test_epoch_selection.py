@@ -53,6 +53,8 @@ def test_training_stops_once_an_epoch_fails_to_beat_the_best_and_ships_the_best_
     assert selection["stopped_early"] and last == best + 1 < 12 and list(curve) == list(range(1, last + 1))
     assert curve[last] <= curve[best] == max(curve.values())
     (key_dir,) = work.iterdir()
+    # training itself stopped there: no step and no drafter of a later epoch
+    assert {record["epoch"] + 1 for record in stats["loss_history"]} == set(curve) and len(list((key_dir / "epochs").iterdir())) == last
     assert same(weights(output), weights(cpu_epoch_folder(key_dir, best - 1)))
     assert not same(weights(output), weights(cpu_epoch_folder(key_dir, last - 1)))
     # the figure is the decoding replay's on those samples, as evaluate measures a drafter
