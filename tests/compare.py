@@ -29,6 +29,8 @@ NOT_COMPARED = {
     "drafter_untrained/speculators.patch": "speculators records the uncommitted changes of the checkout that ran",
     "train/work/*/checkpoint.pt": "the resume state: a resumed run's holds the same tensors, but torch.save "
     "lays out a state it loaded in another order (compared by tensor in the resume test)",
+    "train/work/*/epochs/*": "each epoch's drafter and its figure, in the training key's folder, whose name digests "
+    "files that name the run's place (drafter_trained/ is the best of them, and train/stats.json holds every figure)",
     "provenance.json": "digests of hidden_states/plan.json and drafter_untrained (above)",
     "report/*": "stage runtimes",
 }

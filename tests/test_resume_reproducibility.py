@@ -129,12 +129,13 @@ def test_the_killed_generation_job_asked_only_its_missing_conversations_again(re
 
 def test_training_resumed_from_its_last_checkpoint(repeat_run):
     """The resumed training started at a checkpoint step (saved every
-    ``checkpoint_every_steps``), not over."""
+    ``checkpoint_every_steps`` and at each epoch's end), not over."""
     results, _, _ = repeat_run
     log = (results.parents[1] / "logs/demo/train.log").read_text()
     resumed_at = int(log.split("resuming at epoch", 1)[1].split("(global step ", 1)[1].split(")", 1)[0])
-    every = demo_config()["train"]["checkpoint_every_steps"]
-    assert resumed_at > 0 and resumed_at % every == 0
+    stats = json.loads((results / "train/stats.json").read_text())
+    every, per_epoch = demo_config()["train"]["checkpoint_every_steps"], stats["steps"] // stats["epochs"]
+    assert resumed_at > 0 and (resumed_at % every == 0 or resumed_at % per_epoch == 0)
 
 
 def test_a_killed_and_resumed_run_makes_the_uninterrupted_runs_files(demo_run, repeat_run):
