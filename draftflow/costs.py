@@ -84,10 +84,10 @@ def later_stage_bytes(
     the target's lm_head and norm, and Adam's two moments of the trained
     parameters. CPU (draftflow's loop): the drafter in float32, one training
     checkpoint, counted twice at the peak, as it is replaced by a new one
-    atomically, and each epoch's drafter (the best is shipped). CUDA (speculators' Trainer): bfloat16 and a checkpoint per
-    epoch, all kept. Training views: rows of the prepared dataset
-    (``prepared_bytes``; the hidden states are links). Evaluation and report:
-    a fixed allowance.
+    atomically, and each epoch's drafter (the best is shipped). CUDA
+    (speculators' Trainer): bfloat16 and a checkpoint per epoch, all kept.
+    Training views: rows of the prepared dataset (``prepared_bytes``; the
+    hidden states are links). Evaluation and report: a fixed allowance.
     """
     draft_vocab = config["vocab"]["draft_vocab_size"]
     saved, trained = drafter_parameters(target, num_layer_ids - 1, draft_vocab, config["train"]["num_layers"])

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from draftflow.io import read_json, write_json
+from draftflow.sampling import at_temperature
 
 SCORE_FILE = "selection.json"
 
@@ -28,14 +29,24 @@ class Selection:
 
     draft_tokens: int
     max_tokens: int
-    sampling: dict  # the effective sampling of the served temperature
-    sampled_at: float  # the temperature the answers were sampled at
+    sampling: dict  # the effective sampling at the temperature the answers were sampled at
+
+    @classmethod
+    def as_served(cls, generation: dict, draft_tokens: int, max_tokens: int) -> Selection:
+        """At the temperature generation sampled its answers at (its ``sampling`` record), where
+        the decoding replay predicts serving."""
+        return cls(draft_tokens, max_tokens, at_temperature(generation, generation["effective"]["temperature"])["effective"])
+
+    @property
+    def sampled_at(self) -> float:
+        return self.sampling["temperature"]
 
 
 class EpochScorer:
     """Measures a drafter folder on the first ``samples`` held-out samples (the target's head loaded once)."""
 
     def __init__(self, selection: Selection, samples: int, target: Path, heldout_view: Path, device: str, attention: str):
+        # imported here: draftflow.train imports this module, and evaluate loads torch's models
         from draftflow.evaluate import TargetHead, evaluation_samples
         from draftflow.prompt_sources import HELDOUT
 
@@ -106,7 +117,7 @@ def selection_stats(scorer: EpochScorer | None, curve: list[dict], epochs: int, 
         "figure": "the decoding replay's mean acceptance length on held-out samples",
         "samples": len(scorer.samples),
         "draft_tokens": scorer.selection.draft_tokens,
-        "temperature": scorer.selection.sampling.get("temperature", 0),
+        "temperature": scorer.selection.sampled_at,
         "curve": points,
         "shipped_epoch": best_epoch(curve),
         "last_epoch": curve[-1]["epoch"] if curve else None,

@@ -221,6 +221,7 @@ def train_on_cpu(
         start_epoch, skip_steps, global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
         history = state["history"]
         print(f"resuming at epoch {start_epoch}, step {skip_steps} (global step {global_step})")
+
     def folder_of(epoch: int) -> Path | None:
         return folder if (folder := cpu_epoch_folder(work_dir, epoch)).exists() else None
 

@@ -6,7 +6,6 @@ from draftflow.epoch_selection import EpochScorer, Selection
 from draftflow.gpus import claim_gpus
 from draftflow.io import read_json, write_json
 from draftflow.rule_log import logged
-from draftflow.sampling import at_temperature
 from draftflow.train import TrainSettings, drafter_identity, finalize_config, train_drafter
 from draftflow.training_data import check_view
 
@@ -18,9 +17,7 @@ with logged(snakemake.log[0]), claim_gpus(snakemake.resources.gpu):
     init_dir = Path(snakemake.input.init)
     output = Path(snakemake.output.drafter)
     print(f"{check_view(Path(snakemake.input.train))} training files hold their rows' token ids")
-    generation = read_json(snakemake.input.generation)["sampling"]
-    served_at = generation["effective"]["temperature"]  # where the decoding replay predicts serving
-    selection = Selection(**snakemake.params.selection, sampling=at_temperature(generation, served_at)["effective"], sampled_at=served_at)
+    selection = Selection.as_served(read_json(snakemake.input.generation)["sampling"], **snakemake.params.selection)
     scorer = EpochScorer(selection, settings.selection_samples, Path(snakemake.input.target), Path(snakemake.input.heldout),
                          settings.device, settings.attention) if settings.selection_samples else None  # fmt: skip
     stats = train_drafter(init_dir, Path(snakemake.input.train), settings, Path(snakemake.params.work_dir), output, scorer)

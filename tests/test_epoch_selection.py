@@ -22,7 +22,7 @@ from tests.test_training_key import gpu_settings, same
 
 pytestmark = pytest.mark.slow
 
-SELECTION = Selection(draft_tokens=3, max_tokens=256, sampling=GREEDY, sampled_at=0)
+SELECTION = Selection(draft_tokens=3, max_tokens=256, sampling=GREEDY)
 
 
 def scorer(demo_run: Path, samples: int = 16) -> EpochScorer:
@@ -62,9 +62,12 @@ def test_training_stops_once_an_epoch_fails_to_beat_the_best_and_ships_the_best_
     replayed = evaluate(load_drafter(output, "sdpa"), measured.head, measured.view, measured.samples, 3,
                         {"requests": 16, "max_tokens": 256})["decoding_replay"]["mean_acceptance_length"]  # fmt: skip
     assert replayed == pytest.approx(curve[best], abs=1e-9)
-    # a rerun of the same key trains no further than the stop
+    # a rerun of the same key trains no further than the stop, and reuses each epoch's figure
+    figures = {path: path.stat().st_mtime_ns for path in key_dir.glob("epochs/*/selection.json")}
+    assert len(figures) == last
     again = train_drafter(demo_run / "drafter_untrained", demo_run / "training_data/train", settings, work, tmp_path / "again", scorer(demo_run))
     assert again["selection"] == selection and again["steps"] == stats["steps"]
+    assert {path: path.stat().st_mtime_ns for path in key_dir.glob("epochs/*/selection.json")} == figures
     assert same(weights(tmp_path / "again"), weights(output))
 
 
