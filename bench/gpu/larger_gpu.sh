@@ -5,8 +5,8 @@
 # until DEADLINE seconds after it started (default 560), then stops; the next call goes on
 # (a workflow the deadline stopped resumes; a phase tried once is not tried again). Phases:
 #
-#   install      .venv-cuda from wheelhouse/ (docs/install.md; a wheelhouse carried in parts
-#                is joined from /tmp/parts/part-* first)
+#   install      .venv-cuda from wheelhouse/ (bench/gpu/install_offline.sh: a wheelhouse
+#                carried in parts is joined from /tmp/parts/part-* first)
 #   target       the demo's target at hidden size 1024 (115M parameters), trained on the GPU
 #                (bench/gpu/larger_target.py)
 #   workflow     every stage with bench/gpu/larger-vllm.yaml: generation on a vLLM server, the
@@ -61,12 +61,8 @@ in_group() {
 }
 
 if [ ! -x "$PY" ]; then
-    [ -d wheelhouse ] || cat /tmp/parts/part-* | tar x || exit 1
     started=$SECONDS
-    make install DEVICE=cuda WHEELHOUSE=wheelhouse PYTHON=python3 >"$STATE/logs/install.log" 2>&1 || {
-        tail -30 "$STATE/logs/install.log"
-        exit 1
-    }
+    bash bench/gpu/install_offline.sh "$STATE/logs/install.log" || exit 1
     say "install: $((SECONDS - started)) s; $("$PY" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1)"
 fi
 

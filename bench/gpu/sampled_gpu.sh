@@ -20,10 +20,7 @@ set -uo pipefail
 OUT=$(realpath -m "${1:-bench/results/gpu-sampled}")
 mkdir -p "$OUT"
 PY=.venv-cuda/bin/python
-if [ ! -x "$PY" ]; then
-    [ -d wheelhouse ] || cat /tmp/parts/part-* | tar x || exit 1
-    make install DEVICE=cuda WHEELHOUSE=wheelhouse PYTHON=python3 >"$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
-fi
+bash bench/gpu/install_offline.sh "$OUT/install.log" || exit 1
 for run in gpu-t07 gpu-t1; do
     overlays=(bench/gpu/demo-sampled.yaml)
     [ "$run" = gpu-t1 ] && overlays+=(bench/gpu/demo-sampled-t1.yaml)
