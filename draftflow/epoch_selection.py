@@ -76,6 +76,11 @@ class EpochScorer:
         return score
 
 
+def epoch_scorer(selection: Selection, samples: int, target: Path, heldout_view: Path, device: str, attention: str) -> EpochScorer | None:
+    """The scorer of ``samples`` held-out samples (train.selection_samples); None for 0: the last epoch ships."""
+    return EpochScorer(selection, samples, target, heldout_view, device, attention) if samples else None
+
+
 def best_epoch(curve: list[dict]) -> int | None:
     """The epoch of the highest figure (the earliest of equals), or None for an empty curve."""
     if not curve:

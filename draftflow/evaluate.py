@@ -17,7 +17,8 @@ counters will say when it serves the drafter on the same prompts: at temperature
 exactly but for near ties where the answers follow the target's greedy path, and at the
 temperature they were sampled at as one draw of serving (``predicts_serving``).
 
-The gate reads the held-out slice at K = ``evaluate.draft_tokens``; the trained drafter
+The gate reads the held-out slice at K = ``evaluate.draft_tokens`` and the temperature the
+target is served at (``sampling.gate_temperature``); the trained drafter
 is also measured on each evaluation set (``evaluate.datasets``), per category, at
 each K of the sweep (``measure``), as published drafters are compared.
 """
@@ -39,6 +40,7 @@ from draftflow.io import atomic_path, write_json
 from draftflow.plots import pyplot, save_png
 from draftflow.prepared_rows import CATEGORY, EVALUATION_SET
 from draftflow.prompt_sources import HELDOUT
+from draftflow.sampling import temperature_key
 from draftflow.target_model import TargetModel, read_target_model
 
 
@@ -353,21 +355,24 @@ def evaluate(
     return groups[""].summary(served["max_tokens"])["draft_tokens"][str(steps)]
 
 
-def gate(results: dict, min_acceptance_length: float) -> dict:
-    """The evaluation gate: does the trained drafter reach ``evaluate.min_acceptance_length``?"""
-    trained = results["trained"]["mean_acceptance_length"]
-    return {"min_acceptance_length": min_acceptance_length, "passed": trained >= min_acceptance_length}
+def gate(results: dict, min_acceptance_length: float, temperature: float) -> dict:
+    """The evaluation gate: does the trained drafter reach ``evaluate.min_acceptance_length`` on
+    the held-out slice at ``temperature`` (``results["temperatures"]`` holds it)?"""
+    trained = results["temperatures"][temperature_key(temperature)]["mean_acceptance_length"]
+    return {"min_acceptance_length": min_acceptance_length, "temperature": temperature,
+            "mean_acceptance_length": trained, "passed": trained >= min_acceptance_length}  # fmt: skip
 
 
 def gate_failure(results: dict) -> str | None:
     """The message that fails the run when ``results["gate"]`` did not pass."""
-    if results["gate"]["passed"]:
+    gate = results["gate"]
+    if gate["passed"]:
         return None
-    trained, untrained = results["trained"], results["untrained"]
+    trained = results["temperatures"][temperature_key(gate["temperature"])]
     return (
-        f"Evaluation gate failed: mean acceptance length {trained['mean_acceptance_length']:.3f} < "
-        f"evaluate.min_acceptance_length {results['gate']['min_acceptance_length']} "
-        f"(untrained floor {untrained['mean_acceptance_length']:.3f}; per position "
+        f"Evaluation gate failed: mean acceptance length {gate['mean_acceptance_length']:.3f} at temperature "
+        f"{gate['temperature']:g} < evaluate.min_acceptance_length {gate['min_acceptance_length']} "
+        f"(untrained floor at temperature 0 {results['untrained']['mean_acceptance_length']:.3f}; per position "
         f"{[round(a, 3) for a in trained['acceptance_per_position']]}). "
         "Train longer or on more samples, or check the extraction's fidelity report."
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 from draftflow import run_folder
 from draftflow.acceptance_tables import TEMPERATURE_NOTE, category_tables, plot_sets, sets_table, temperature_table
 from draftflow.epoch_selection import curve_lines, describe, plot_curve
+from draftflow.pilot import summary_lines
 from draftflow.extract import layout
 from draftflow.io import atomic_path, read_json, write_text
 from draftflow.plots import pyplot, save_png
@@ -186,17 +187,23 @@ def markdown(run: str, rows: list[dict], stats: dict, compared: dict[str, dict])
     gate = evaluation["gate"]
     lines += [
         "",
-        "Every position: a chain scored at each answer token (the training metric; the gate reads it). "
+        "Every position: a chain scored at each answer token (the training metric; the gate reads it, "
+        "at evaluate.gate_temperature). "
         "Decoding replay: the chains decoding visits, jumping a + 1 after a accepted drafts, on the prompts "
         "serve_check serves (what vLLM's counters should say).",
         "",
-        f"Gate: mean acceptance length ≥ {gate['min_acceptance_length']}: {'passed' if gate['passed'] else 'FAILED'}.", "",
+        f"Gate: mean acceptance length at temperature {gate['temperature']:g} ≥ {gate['min_acceptance_length']}: "
+        f"{'passed' if gate['passed'] else 'FAILED'} ({gate['mean_acceptance_length']:.3f}).", "",
         "![acceptance](../evaluation/acceptance.png)", "",
     ]  # fmt: skip
     if served:
         lines += ["![offline and served](../evaluation/served_acceptance.png)", ""]
     lines += ["## The epoch shipped", "", f"Shipped: {describe(stats['train']['selection'])}.", "",
               *curve_lines(stats["train"]["selection"]), "", "![acceptance per epoch](epochs.png)", ""]  # fmt: skip
+    if pilot := stats.get("pilot"):
+        lines += ["## What more data buys (pilot)", "", "Drafters trained on nested fractions of the training samples "
+                  "(each with the run's recipe, the best epoch shipped), on the held-out requests the decoding replay walks:",
+                  "", *summary_lines(pilot), "", "![the pilot's points and fit](../pilot/pilot.png)", ""]  # fmt: skip
     lines += ["## Acceptance by temperature (held-out samples)", "", *temperature_table(evaluation, served), "", TEMPERATURE_NOTE, ""]
     lines += ["## Acceptance by evaluation set", "", *sets_table(evaluation, served), "",
               "samples: answered turns (a two-turn question gives two). τ: mean acceptance length (1 + accepted "

@@ -28,7 +28,7 @@ HIDDEN_STATES = "hidden_states"
 UNTRAINED_DRAFTER, TRAINING_VIEWS, TRAINING_WORK = "drafter_untrained", "training_data", "train"
 TRAINED_DRAFTER = "drafter_trained"  # train's output; DRAFTER, the drafter as it ships, links to its files
 DRAFTER = "drafter"
-EVALUATION, REPORT = "evaluation", "report"
+EVALUATION, REPORT, PILOT = "evaluation", "report", "pilot"
 DEMO_TARGET_RULE = "demo_target"  # builds resources/, outside any run
 
 
@@ -60,12 +60,12 @@ STAGES = (
     Stage("train", (TRAINING_WORK, TRAINED_DRAFTER), 2000),
     Stage("evaluate", (EVALUATION,), 1000),
     Stage("serve_check", (EVALUATION,), 4000),
+    Stage("pilot", (PILOT,), 2000),
     Stage("report", (REPORT,), 1000),
     Stage("provenance", (), 1000),
     Stage("model_card", (DRAFTER,), 1000),
 )
 STAGE = {stage.rule: stage for stage in STAGES}
-OPTIONAL_STAGES = ("serve_check",)  # evaluate.serve_check: false leaves it out
 DEMO_TARGET_MEMORY_MB = 2000
 
 
@@ -75,11 +75,11 @@ def host_memory_resources() -> dict[str, dict[str, int]]:
     return {rule: {"mem_mb": mb} for rule, mb in memory.items()}
 
 
-def stages_before_report(serve_check: bool) -> list[Stage]:
+def stages_before_report(serve_check: bool, pilot: bool = False) -> list[Stage]:
     """The stages whose benchmarks the report sums and whose inputs provenance
-    records, in order (serve_check where the config runs it)."""
-    return [s for s in STAGES if s.rule not in ("report", "provenance", "model_card")
-            and (serve_check or s.rule not in OPTIONAL_STAGES)]  # fmt: skip
+    records, in order (serve_check and pilot where the config runs them)."""
+    runs = {"serve_check": serve_check, "pilot": pilot}
+    return [s for s in STAGES if s.rule not in ("report", "provenance", "model_card") and runs.get(s.rule, True)]
 
 
 def result(run: str, path: str) -> str:

@@ -78,6 +78,13 @@ def sampling_text(record: dict) -> str:
     return text
 
 
+def gate_temperature(evaluate_settings: dict, generate_settings: dict) -> float:
+    """The temperature the gate reads: ``evaluate.gate_temperature``, else the one the answers
+    were sampled at (``generate.temperature``: the served one, where they are sampled as served)."""
+    chosen = evaluate_settings["gate_temperature"]
+    return generate_settings["temperature"] if chosen is None else chosen
+
+
 def temperature_key(temperature: float) -> str:
     """A temperature as evaluation.json and served.json key it: 0, 0.7, 1."""
     return f"{temperature:g}"

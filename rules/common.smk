@@ -22,6 +22,7 @@ from draftflow.extract import layout
 from draftflow.layers import resolve_layer_ids
 from draftflow.plan import write_plan
 from draftflow.prompt_sources import config_sources, source_files
+from draftflow.sampling import gate_temperature
 from draftflow.target_model import read_target_model
 from draftflow.target_source import resolve_target
 from draftflow.vllm_server import server_env
@@ -56,6 +57,7 @@ os.environ.update(
 # 0.14 and 0.15 s).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 SERVE_CHECK = config["evaluate"]["serve_check"]
+PILOT = config["pilot"]["enabled"]
 # The K values every evaluation set is measured at, offline and served.
 DRAFT_TOKEN_SWEEP = sorted(
     {config["evaluate"]["draft_tokens"], *config["evaluate"]["draft_token_sweep"]}
@@ -97,6 +99,8 @@ TARGET_MODEL = (
     read_target_model(TARGET) if (Path(TARGET) / "config.json").exists() else None
 )
 TARGET_SERVER_FLAGS = target_server_flags(config, TARGET_MODEL)
+# serve_check serves the target and drafter as the model card's command does
+SERVED_FLAGS = served_flags(config, TARGET_MODEL)
 # The target counts by its identities (draftflow.fingerprint) where it is the user's;
 # the demo's, which the workflow builds, by the mtimes of the rule that builds it.
 TARGET_IDENTITIES = dependencies.target_identities(

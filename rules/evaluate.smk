@@ -30,6 +30,7 @@ rule evaluate:
         sweep=DRAFT_TOKEN_SWEEP,
         temperatures=config["evaluate"]["temperatures"],
         min_acceptance_length=config["evaluate"]["min_acceptance_length"],
+        gate_temperature=gate_temperature(config["evaluate"], config["generate"]),
         attention=config["train"]["attention"],
         # what serve_check serves, for the decoding replay that predicts its counters
         served={
@@ -75,6 +76,6 @@ rule serve_check:
         max_requests=config["evaluate"]["serve_check_requests"],
         max_served_shortfall=config["evaluate"]["max_served_shortfall"],
         device=config["device"],
-        server=vllm_server_params(TARGET_SERVER_FLAGS),
+        server=vllm_server_params(SERVED_FLAGS),
     script:
         "../scripts/serve_check.py"

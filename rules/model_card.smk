@@ -31,7 +31,7 @@ rule model_card:
                 "hub": TARGET_SOURCE.hub_record(),
             },
             "draft_tokens": config["evaluate"]["draft_tokens"],
-            "server_args": served_flags(config, TARGET_MODEL),
+            "server_args": SERVED_FLAGS,
             "generation": {"max_tokens": config["generate"]["max_tokens"]},
         },
     script:

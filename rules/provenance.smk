@@ -1,5 +1,5 @@
 PROVENANCE_STAGES = [
-    stage.rule for stage in run_folder.stages_before_report(SERVE_CHECK)
+    stage.rule for stage in run_folder.stages_before_report(SERVE_CHECK, PILOT)
 ]
 
 

@@ -6,7 +6,7 @@ rule report:
     input:
         benchmarks=[
             benchmark_path(name)
-            for stage in run_folder.stages_before_report(SERVE_CHECK)
+            for stage in run_folder.stages_before_report(SERVE_CHECK, PILOT)
             for name in stage.benchmark_names(SERVER_JOBS)
         ],
         prompts=rules.prompts.output.stats,
@@ -18,6 +18,7 @@ rule report:
         train=rules.train.output.stats,
         evaluation=rules.evaluate.output.evaluation,
         served=rules.serve_check.output.served if SERVE_CHECK else [],
+        pilot=rules.pilot.output.pilot if PILOT else [],
     output:
         runtimes=report(
             result("report/stage_runtimes.tsv"),

@@ -62,9 +62,9 @@ with logged(snakemake.log[0]), claim_gpus(snakemake.resources.gpu):
                              **(results["trained"] if t == 0 else
                                 evaluate(drafters["trained"], head, views[HELDOUT], heldout, params.draft_tokens, params.served,
                                          at_temperature(generation, t)["effective"], generation["effective"]["temperature"]))}
-        for t in sorted({0, *params.temperatures})
+        for t in sorted({0, *params.temperatures, params.gate_temperature})
     }  # fmt: skip
-    results["gate"] = gate(results, params.min_acceptance_length)
+    results["gate"] = gate(results, params.min_acceptance_length, params.gate_temperature)
     write_json(snakemake.output.evaluation, results)
     plot_acceptance(results, Path(snakemake.output.plot))
     shutil.rmtree(gate_evidence(Path(snakemake.output.evaluation)), ignore_errors=True)  # an earlier failure's

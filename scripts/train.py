@@ -2,7 +2,7 @@ from pathlib import Path
 
 import torch._dynamo
 
-from draftflow.epoch_selection import EpochScorer, Selection
+from draftflow.epoch_selection import Selection, epoch_scorer
 from draftflow.gpus import claim_gpus
 from draftflow.io import read_json, write_json
 from draftflow.rule_log import logged
@@ -18,8 +18,8 @@ with logged(snakemake.log[0]), claim_gpus(snakemake.resources.gpu):
     output = Path(snakemake.output.drafter)
     print(f"{check_view(Path(snakemake.input.train))} training files hold their rows' token ids")
     selection = Selection.as_served(read_json(snakemake.input.generation)["sampling"], **snakemake.params.selection)
-    scorer = EpochScorer(selection, settings.selection_samples, Path(snakemake.input.target), Path(snakemake.input.heldout),
-                         settings.device, settings.attention) if settings.selection_samples else None  # fmt: skip
+    scorer = epoch_scorer(selection, settings.selection_samples, Path(snakemake.input.target), Path(snakemake.input.heldout),
+                          settings.device, settings.attention)  # fmt: skip
     stats = train_drafter(init_dir, Path(snakemake.input.train), settings, Path(snakemake.params.work_dir), output, scorer)
     finalize_config(output, *drafter_identity(init_dir), speculative_tokens=settings.ttt_steps)
     write_json(snakemake.output.stats, stats)

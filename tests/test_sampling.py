@@ -5,7 +5,7 @@ import json
 from transformers import GenerationConfig
 
 from draftflow.generate import GenerationSettings, PromptRoom, client_command, split_errors, with_system_prompt
-from draftflow.sampling import sampling_record, sampling_text, server_defaults
+from draftflow.sampling import gate_temperature, sampling_record, sampling_text, server_defaults
 
 SETTINGS = dict(max_tokens=64, temperature=0.6, concurrency=1, max_retries=0, seed=3, reasoning_end_marker="</think>",
                 max_error_fraction=0.1, max_degenerate_fraction=0.25)  # fmt: skip
@@ -71,3 +71,9 @@ def test_a_first_prompt_leaving_no_answer_token_in_the_context_is_too_long_to_as
                                                  "model\\'s maximum context length is 512 tokens. However, your prompt contains 600 input tokens\"')"}}  # fmt: skip
     failed = {"id": "k3", "metadata": {"error": "ClientConnectorError('Cannot connect')"}}
     assert split_errors([refused, failed]) == ([failed], [refused])
+
+
+def test_the_gate_reads_the_temperature_the_answers_were_sampled_at_unless_told_another():
+    assert gate_temperature({"gate_temperature": None}, {"temperature": 0.6}) == 0.6  # a thinking model, sampled as served
+    assert gate_temperature({"gate_temperature": None}, {"temperature": 0}) == 0
+    assert gate_temperature({"gate_temperature": 0}, {"temperature": 0.6}) == 0
