@@ -220,13 +220,15 @@ def plan_lines(config: dict, run_dir: Path, pilot: dict) -> list[str]:
     rates = rates_from_run(run_dir)
     lines = ["| data.num_samples | predicted mean acceptance length | 90% interval | plan: samples (evaluation sets included) "
              "| time | GPU-hours | disk at peak |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    warnings = []
     for p in pilot["predictions"]:
         plan = build_plan(merged(config, {"data": {"num_samples": p["num_samples"]}}), run_dir, rates)
         predicted = "no fit" if p["predicted"] is None else f"{p['predicted']:.3f}"
         interval = "" if p["interval"] is None else f"{p['interval'][0]:.3f} to {p['interval'][1]:.3f}"
         lines.append(f"| {p['num_samples']} | {predicted} | {interval} | {plan.tokens['samples']} | {fmt_duration(plan.total_seconds)} | "
                      f"{plan.total_gpu_hours:.1f} | {fmt_bytes(plan.peak_bytes)} |")  # fmt: skip
-    return lines
+        warnings += [f"The plan of data.num_samples {p['num_samples']} warns: {warning}" for warning in plan.warnings]
+    return [*lines, "", *warnings] if warnings else lines
 
 
 def main(argv: list[str] | None = None, prog: str = "draftflow pilot") -> int:

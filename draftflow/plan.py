@@ -390,6 +390,7 @@ def token_counts(config: dict, run_dir: Path, rates: Rates, target: TargetModel,
         "extracted_before": len(reused),
         "to_extract": len(known) + len(new) - len(reused),
         "tokens_to_extract": tokens - sum(len(s.token_ids) for s in known if s.sample_id in reused) + round(sum(new_tokens)),
+        "cut_at_max_tokens": sum(row.get("metadata", {}).get("finish_reason") == "length" for row in rows),
     }
 
 
@@ -573,6 +574,14 @@ def plan_warnings(config: dict, work: dict, stages: list[Stage], peak: int, free
                 f"{stage.name}: model loads take {fmt_duration(stage.load_seconds)} of its {fmt_duration(stage.seconds)}"
                 + (f" (fewer {SERVER_COUNTS[stage.name]} load fewer times)" if stage.name in SERVER_COUNTS and stage.jobs > 1 else "")
             )
+    if work.get("cut_at_max_tokens") and work["to_ask"]:
+        generate = config["generate"]
+        warnings.append(
+            f"generate.max_tokens {generate['max_tokens']}: {work['cut_at_max_tokens']} of the answers so far were cut "
+            f"there (of {work['answered_before']} conversations answered); a cut answer is flawed, generation fails above generate.max_degenerate_fraction "
+            f"{generate['max_degenerate_fraction']:.0%} of flawed answers, and raising max_tokens asks every conversation "
+            "again (it keys the answer store): raise it before the run, as thinking answers need"
+        )
     shards, servers = config["extract"]["shards"], config["extract"]["servers"]
     if shards > work["samples"]:
         warnings.append(f"extract.shards ({shards}) is more than the samples ({work['samples']}): some shards stay empty")

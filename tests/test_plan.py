@@ -15,6 +15,7 @@ from draftflow.plan import (
     load_rates,
     main,
     measured_generation_rate,
+    plan_warnings,
     rates_from_run,
     write_plan,
 )
@@ -213,3 +214,15 @@ def test_the_gpu_defaults_are_measurements_scaled_to_the_target_and_say_so(tmp_p
     assert extraction.startswith(f"extraction {39179 * 7_504_658_432 / per_token * 8:,.0f} tokens/s per server job")
     assert f"{per_token / 1e9:.2f}B on 8 GPU(s)" in extraction
     assert any(note.startswith(f"training {36442 * (4096 / 7168) ** 2:,.0f} tokens/s per GPU") for note in plan.rate_notes)
+
+
+def test_answers_cut_at_max_tokens_so_far_say_what_truncation_costs_before_the_rest_is_asked():
+    """A pilot's answers cut at generate.max_tokens (a thinking model's): the plan of the larger
+    run says so, what a cut costs, and that raising it later asks everything again."""
+    config = load_config(REPO / "config/config.yaml")
+    work = {"samples": 100, "to_ask": 80, "answered_before": 20, "cut_at_max_tokens": 7}
+    (warning,) = [w for w in plan_warnings(config, work, [], 0, 1, None) if w.startswith("generate.max_tokens")]
+    assert warning.startswith("generate.max_tokens 256: 7 of the answers so far were cut there (of 20 conversations answered)")
+    assert "generate.max_degenerate_fraction 25%" in warning and "asks every conversation again" in warning
+    assert not [w for w in plan_warnings(config, {**work, "to_ask": 0}, [], 0, 1, None) if w.startswith("generate.max_tokens")]
+    assert not [w for w in plan_warnings(config, {**work, "cut_at_max_tokens": 0}, [], 0, 1, None) if w.startswith("generate.max_tokens")]
