@@ -231,6 +231,13 @@ def plan_lines(config: dict, run_dir: Path, pilot: dict) -> list[str]:
     return [*lines, "", *warnings] if warnings else lines
 
 
+def snakefile_args() -> list[str]:
+    """The checkout's Snakefile where draftflow runs from one (as the README's commands do),
+    else none: Snakemake looks in the current folder."""
+    snakefile = Path(__file__).parents[1] / "Snakefile"
+    return ["--snakefile", str(snakefile)] if snakefile.exists() else []
+
+
 def main(argv: list[str] | None = None, prog: str = "draftflow pilot") -> int:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -254,7 +261,7 @@ def main(argv: list[str] | None = None, prog: str = "draftflow pilot") -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pilot-") as file:
         yaml.safe_dump(overlay, file)
         file.flush()
-        command = [sys.executable, "-m", "snakemake", "--snakefile", str(Path(__file__).parents[1] / "Snakefile"),
+        command = [sys.executable, "-m", "snakemake", *snakefile_args(),
                    "--directory", str(args.directory), "--cores", args.cores,
                    "--configfile", *map(str, args.configfile), file.name, *extra,
                    "--", "all", run_folder.result(config["run"], PILOT_FILE)]  # fmt: skip
