@@ -54,7 +54,8 @@ def replayed_requests(drafter, head, heldout_view: Path, samples: list, selectio
 def train_fractions(init_dir: Path, train_view: Path, trained: Path, settings, scorer, work_dir: Path,
                     fractions: list[float]) -> dict[int, Path]:  # fmt: skip
     """Each fraction's drafter folder by its training rows: the smaller ones trained here (each
-    on a prefix of the training view, resuming its own training key), the whole view's the run's."""
+    on a prefix of the training view, made again each time, so that edited data or settings
+    train anew while a finished training key resumes at its end), the whole view's the run's."""
     from draftflow.train import train_drafter
     from draftflow.training_data import check_view, prefix_view
 
@@ -65,11 +66,9 @@ def train_fractions(init_dir: Path, train_view: Path, trained: Path, settings, s
             drafters[rows] = trained
             continue
         folder = work_dir / f"rows-{rows}"
-        if not (folder / "view").exists():
-            prefix_view(train_view, rows, folder / "view")
+        prefix_view(train_view, rows, folder / "view")
         print(f"pilot: {rows} of {total} training samples")
-        if not (folder / "drafter").exists():
-            train_drafter(init_dir, folder / "view", settings, folder / "work", folder / "drafter", scorer)
+        train_drafter(init_dir, folder / "view", settings, folder / "work", folder / "drafter", scorer)
         drafters[rows] = folder / "drafter"
     return drafters
 
