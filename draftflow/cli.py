@@ -11,7 +11,7 @@ import sys
 COMMANDS = {
     "plan": ("draftflow.plan", "what a run will cost, stage by stage, before it starts"),
     "progress": ("draftflow.progress", "how far the hidden-state extraction is, how fast, when it ends"),
-    "pilot": ("draftflow.pilot", "what more data buys: a small run's fit, beside the plan's cost of larger runs"),
+    "pilot": ("draftflow.pilot_command", "what more data buys: a small run's fit, beside the plan's cost of larger runs"),
     "gpus": ("draftflow.gpus", "claim GPUs for a command, list who holds them, count them"),
     "publish": ("draftflow.publish", "upload a drafter folder with its model card to the Hugging Face hub"),
 }

@@ -3,7 +3,7 @@ from pathlib import Path
 import torch._dynamo
 
 from draftflow.gpus import claim_gpus
-from draftflow.pilot import run_pilot
+from draftflow.pilot_training import run_pilot
 from draftflow.rule_log import logged
 
 # the drafters are measured as evaluate measures them: uncompiled (scripts/evaluate.py says why)

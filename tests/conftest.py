@@ -160,6 +160,7 @@ SCHEDULE = (
     "test_server_faults",  # 364
     "test_twin_workflows[qwen3_moe]",  # 338
     "test_resume_reproducibility",  # 342
+    "test_thinking_recipe",  # 300 (estimated: a demo-sized run without MT-Bench)
     "test_slurm",  # 257
     "test_twin_workflows[kimi_k25]",  # 248
     "test_faults",  # 213
@@ -167,6 +168,7 @@ SCHEDULE = (
     "test_gemma3_ways_out",  # 165
     "test_gates",  # 164
     "test_rebuilds",  # 133
+    "test_pilot",  # 90 (estimated: three small trainings on the demo's run)
     "test_extract_stage",  # 84
     "test_families",  # 76
     "test_multi_turn",  # 52
@@ -284,25 +286,12 @@ def demo_run(workdir, request) -> Path:
 # as soon as the demo is done (when a collected test asks for them), they use the cores the
 # workers leave idle; each in a folder of its own. Name of the fixture that waits for one ->
 # its config, and the demo's stages it starts from (copied).
-def thinking_config() -> dict:
-    """config/examples/qwen3-8b-thinking.yaml's sampling, thinking, reasoning parser, evaluation
-    temperatures, gate and early stopping on the demo's target (a thinking model: its answers
-    think in <think>...</think>), at the demo's size."""
-    recipe = yaml.safe_load((REPO / "config/examples/qwen3-8b-thinking.yaml").read_text())
-    generate = {key: value for key, value in recipe["generate"].items() if key not in ("max_tokens", "concurrency")}
-    evaluate = {key: recipe["evaluate"][key] for key in ("temperatures", "min_acceptance_length")}
-    return demo_config(False, run="thinking", generate=generate, evaluate=evaluate,
-                       train={"early_stopping_patience": recipe["train"]["early_stopping_patience"]})  # fmt: skip
-
-
 BACKGROUND_RUNS = {
     # the demo's samples in fp8 storage (issue 15), its report set beside the demo's
     "fp8_run": (
         lambda: demo_config(False, run="fp8", extract={"storage": "fp8"}, report={"compare_runs": ["demo"]}),
         ("prompts", "synthetic", "prepared", "vocab", "drafter_untrained"),
     ),
-    # a thinking model's recipe, its answers sampled as served (issue 59): a run of its own
-    "thinking_run": (thinking_config, ()),
 }
 BACKGROUND_EXIT, BACKGROUND_GROUP = "exit-code", "process-group"  # what a background run's folder holds
 BACKGROUND_RUN_TIMEOUT_S = 1800  # a whole demo-sized run takes 5-10 minutes on 2 busy cores
@@ -333,12 +322,6 @@ def fp8_run(request, demo_run) -> Path:
     """The demo's prompts, answers, tokens, vocabulary and untrained drafter, extracted in
     fp8 storage, trained, evaluated and served; its report compares it with the demo."""
     return background_run(request, "fp8_run")
-
-
-@pytest.fixture(scope="session")
-def thinking_run(request, demo_run) -> Path:
-    """The thinking recipe's run on the demo's target (``thinking_config``), prompts to model card."""
-    return background_run(request, "thinking_run")
 
 
 def background_run(request, name: str) -> Path:

@@ -16,15 +16,20 @@ from draftflow.vllm_server import free_port
 from tests.conftest import complete_lines, copy_demo_run, demo_config, snakemake
 
 TRAINED = {"mean_acceptance_length": 1.4, "acceptance_per_position": [0.3, 0.1, 0.0]}
+SAMPLED = {"mean_acceptance_length": 1.3, "acceptance_per_position": [0.2, 0.1, 0.0]}
 
 
-def test_the_evaluation_gate_passes_at_the_threshold_and_fails_below_it():
-    results = {"trained": TRAINED, "untrained": {"mean_acceptance_length": 1.01}}
-    assert gate(results, 1.4) == {"min_acceptance_length": 1.4, "passed": True}
-    assert gate_failure(results | {"gate": gate(results, 1.4)}) is None
-    failure = gate_failure(results | {"gate": gate(results, 1.5)})
-    assert failure.startswith("Evaluation gate failed: mean acceptance length 1.400 < evaluate.min_acceptance_length 1.5")
-    assert "untrained floor 1.010" in failure
+def test_the_evaluation_gate_passes_at_the_threshold_and_fails_below_it_at_the_temperature_it_reads():
+    results = {"trained": TRAINED, "untrained": {"mean_acceptance_length": 1.01}, "temperatures": {"0": TRAINED, "0.6": SAMPLED}}
+    assert gate(results, 1.4, 0) == {"min_acceptance_length": 1.4, "temperature": 0, "mean_acceptance_length": 1.4, "passed": True}
+    assert gate_failure(results | {"gate": gate(results, 1.4, 0)}) is None
+    failure = gate_failure(results | {"gate": gate(results, 1.5, 0)})
+    assert failure.startswith("Evaluation gate failed: mean acceptance length 1.400 at temperature 0 < evaluate.min_acceptance_length 1.5")
+    assert "untrained floor at temperature 0 1.010" in failure
+    # the same threshold read at the served temperature, where the drafter accepts less
+    failure = gate_failure(results | {"gate": gate(results, 1.4, 0.6)})
+    assert failure.startswith("Evaluation gate failed: mean acceptance length 1.300 at temperature 0.6 < evaluate.min_acceptance_length 1.4")
+    assert "per position [0.2, 0.1, 0.0]" in failure
 
 
 def test_the_fidelity_gate_names_the_layer_beyond_the_tolerance():

@@ -32,7 +32,7 @@ from tests.conftest import REPO, SNAKEMAKE, copy_demo_run, demo_config, snakemak
 SLURM_SH = REPO / ".ci/slurm.sh"
 PROFILE = REPO / "profiles/slurm"
 FILL_INS = ("FILL_IN_PARTITION", "FILL_IN_ACCOUNT", "FILL_IN_GPU_MODEL")
-GPU_RULES = {"generate_server", "extract_server", "fidelity_reference", "fidelity", "serve_check", "train", "evaluate"}
+GPU_RULES = {"generate_server", "extract_server", "fidelity_reference", "fidelity", "serve_check", "train", "evaluate", "pilot"}
 TIMINGS: dict[str, float] = {}
 
 pytestmark = pytest.mark.slow

@@ -1,19 +1,35 @@
 """A thinking model's recipe (config/examples/qwen3-8b-thinking.yaml, issue 59) through the
-workflow on the demo's target, whose answers think in <think>...</think> (tests/conftest.py
-thinking_run): its answers sampled as the model is served, its reasoning parsed apart, its
-gate read at the served temperature, its card serving with the reasoning parser."""
+workflow on the demo's target, whose answers think in <think>...</think>: its answers sampled as
+the model is served, its reasoning parsed apart, its gate read at the served temperature, its
+card serving with the reasoning parser."""
 
 import json
 import shlex
+import shutil
 
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, demo_config, snakemake
 
 pytestmark = pytest.mark.slow
 
 RECIPE = yaml.safe_load((REPO / "config/examples/qwen3-8b-thinking.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def thinking_run(demo_run, tmp_path_factory):
+    """The recipe's sampling, thinking, reasoning parser, evaluation temperatures, gate and early
+    stopping on the demo's target at the demo's size (MT-Bench, the K sweep and its other
+    temperatures left out), prompts to model card."""
+    workdir = tmp_path_factory.mktemp("thinking")
+    shutil.copytree(demo_run.parents[1] / "resources", workdir / "resources")
+    generate = {key: value for key, value in RECIPE["generate"].items() if key not in ("max_tokens", "concurrency")}
+    evaluate = {key: RECIPE["evaluate"][key] for key in ("temperatures", "min_acceptance_length")}
+    config = demo_config(False, run="thinking", generate=generate, evaluate=evaluate,
+                         train={"early_stopping_patience": RECIPE["train"]["early_stopping_patience"]})  # fmt: skip
+    snakemake(workdir, config)
+    return workdir / "results/thinking"
 
 
 def test_the_thinking_recipe_passes_its_gate_at_the_temperature_it_is_served_at(thinking_run):
