@@ -43,7 +43,6 @@ def fit_points(points, train_share: float, predict_for: list[int], target_tau: f
     }
 
 
-
 def pilot_result(points, train_share: float, num_samples: int, settings: dict) -> dict:
     """pilot.json: the points (training samples, τ, per-request drafts and accepted) and the fit."""
     fitted = fit_points(points, train_share, settings["predict_for"], settings["target_acceptance_length"],
@@ -51,7 +50,6 @@ def pilot_result(points, train_share: float, num_samples: int, settings: dict) -
     return {"num_samples": num_samples, "train_share": train_share,
             "points": [{"training_samples": p.samples, "mean_acceptance_length": p.tau(), "drafts": p.drafts, "accepted": p.accepted}
                        for p in points], **fitted}  # fmt: skip
-
 
 
 def summary_lines(pilot: dict) -> list[str]:
@@ -78,7 +76,6 @@ def summary_lines(pilot: dict) -> list[str]:
         lines.append(f"Mean acceptance length {needed['acceptance_length']} needs data.num_samples {count}.")
     lines += [f"Not to be trusted as it stands: {problem}." for problem in pilot["trust_problems"]]
     return lines
-
 
 
 def plot_pilot(pilot: dict, output: Path) -> None:

@@ -8,11 +8,11 @@ import argparse
 import subprocess
 import sys
 import tempfile
-from copy import deepcopy
 from pathlib import Path
 
 import yaml
 
+from draftflow.config import load_config, merged
 from draftflow.io import read_json
 from draftflow.pilot import PILOT_FILE, summary_lines
 
@@ -23,21 +23,11 @@ def pilot_num_samples(config: dict) -> int:
     return config["pilot"]["num_samples"] or max(1, config["data"]["num_samples"] // PILOT_SHARE)
 
 
-
 def pilot_overlay(config: dict) -> dict:
     """What the pilot's run changes of ``config``: its data.num_samples, the pilot on, and the
     configured data.num_samples among the sizes predicted."""
     predict_for = sorted({*config["pilot"]["predict_for"], config["data"]["num_samples"]})
     return {"data": {"num_samples": pilot_num_samples(config)}, "pilot": {"enabled": True, "predict_for": predict_for}}
-
-
-
-def merged(config: dict, overlay: dict) -> dict:
-    out = deepcopy(config)
-    for section, values in overlay.items():
-        out[section] = {**out[section], **values}
-    return out
-
 
 
 def plan_lines(config: dict, run_dir: Path, pilot: dict) -> list[str]:
@@ -60,13 +50,11 @@ def plan_lines(config: dict, run_dir: Path, pilot: dict) -> list[str]:
     return [*lines, "", *warnings] if warnings else lines
 
 
-
 def snakefile_args() -> list[str]:
     """The checkout's Snakefile where draftflow runs from one (as the README's commands do),
     else none: Snakemake looks in the current folder."""
     snakefile = Path(__file__).parents[1] / "Snakefile"
     return ["--snakefile", str(snakefile)] if snakefile.exists() else []
-
 
 
 def main(argv: list[str] | None = None, prog: str = "draftflow pilot") -> int:
@@ -84,7 +72,6 @@ def main(argv: list[str] | None = None, prog: str = "draftflow pilot") -> int:
     parser.add_argument("snakemake_args", nargs=argparse.REMAINDER, help="after --: more Snakemake options (the targets are the pilot's)")
     args = parser.parse_args(argv)
     from draftflow import run_folder
-    from draftflow.config import load_config
 
     config = load_config(*args.configfile)
     overlay = pilot_overlay(config)

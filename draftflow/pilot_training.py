@@ -14,10 +14,21 @@ point is the evaluation's own figure.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftflow.io import read_json, write_json
 from draftflow.pilot import pilot_result, plot_pilot, summary_lines
+
+
+@dataclass(frozen=True)
+class ViewSource:
+    """What train_views builds its views from: the prepared dataset, the extraction's summary and
+    its split (split.json: the training rows, in the training view's order)."""
+
+    dataset: Path
+    hidden_states: Path
+    split: Path
 
 
 def fraction_rows(train_rows: int, fractions: list[float]) -> list[int]:
@@ -37,31 +48,30 @@ def replayed_requests(drafter, head, heldout_view: Path, samples: list, selectio
     return [int(s.numel()) for s in steps], [int(s.sum()) for s in steps]
 
 
-
-def train_fractions(init_dir: Path, train_view: Path, trained: Path, settings, scorer, work_dir: Path,
+def train_fractions(init_dir: Path, views: ViewSource, trained: Path, settings, scorer, work_dir: Path,
                     fractions: list[float]) -> dict[int, Path]:  # fmt: skip
-    """Each fraction's drafter folder by its training rows: the smaller ones trained here (each
-    on a prefix of the training view, made again each time, so that edited data or settings
-    train anew while a finished training key resumes at its end), the whole view's the run's."""
+    """Each fraction's drafter folder by its training rows: the smaller ones trained here (each on
+    a view of the first rows of the training view, as train_views builds it, made again each
+    time, so that edited data or settings train anew while a finished training key resumes at
+    its end), the whole view's the run's."""
     from draftflow.train import train_drafter
-    from draftflow.training_data import check_view, prefix_view
+    from draftflow.training_data import build_view
 
-    total = check_view(train_view)
+    train_rows = read_json(views.split)["train_rows"]
     drafters = {}
-    for rows in fraction_rows(total, fractions):
-        if rows == total:
+    for rows in fraction_rows(len(train_rows), fractions):
+        if rows == len(train_rows):
             drafters[rows] = trained
             continue
         folder = work_dir / f"rows-{rows}"
-        prefix_view(train_view, rows, folder / "view")
-        print(f"pilot: {rows} of {total} training samples")
+        build_view(views.dataset, views.hidden_states, train_rows[:rows], folder / "view")
+        print(f"pilot: {rows} of {len(train_rows)} training samples")
         train_drafter(init_dir, folder / "view", settings, folder / "work", folder / "drafter", scorer)
         drafters[rows] = folder / "drafter"
     return drafters
 
 
-
-def run_pilot(init_dir: Path, train_view: Path, heldout_view: Path, trained: Path, target: Path, generation_stats: Path,
+def run_pilot(init_dir: Path, views: ViewSource, heldout_view: Path, trained: Path, target: Path, generation_stats: Path,
               settings: dict, selection: dict, requests: int, num_samples: int, pilot: dict, work_dir: Path,
               output: Path, plot: Path) -> dict:  # fmt: skip
     """The pilot rule: the fractions' drafters (``settings``: TrainSettings' fields), each measured on
@@ -75,7 +85,7 @@ def run_pilot(init_dir: Path, train_view: Path, heldout_view: Path, trained: Pat
     trainer = TrainSettings(**settings)
     served = Selection.as_served(read_json(generation_stats)["sampling"], **selection)
     scorer = epoch_scorer(served, trainer.selection_samples, target, heldout_view, trainer.device, trainer.attention)
-    drafters = train_fractions(init_dir, train_view, trained, trainer, scorer, work_dir, pilot["fractions"])
+    drafters = train_fractions(init_dir, views, trained, trainer, scorer, work_dir, pilot["fractions"])
     head = scorer.head if scorer else TargetHead(target, trainer.device)
     samples = evaluation_samples(heldout_view)[HELDOUT][:requests]
     points = []

@@ -99,19 +99,6 @@ def build_view(dataset_dir: Path, summary_path: Path, rows: list[int], view_dir:
             (links / view_file_name(position)).symlink_to(os.path.relpath(entry["path"].resolve(), final_links))
 
 
-def prefix_view(view_dir: Path, rows: int, output: Path) -> None:
-    """The first ``rows`` rows of the view ``view_dir`` as a view of their own (the pilot's
-    fractions: each a prefix of the next), its links to the same hidden-state files."""
-    with atomic_path(output) as tmp:
-        load_from_disk(str(view_dir)).select(range(rows)).save_to_disk(str(tmp))
-        links = tmp / "hidden_states"
-        links.mkdir()
-        final_links = (output / "hidden_states").resolve()
-        for position in range(rows):
-            target = (view_dir / "hidden_states" / view_file_name(position)).resolve()
-            (links / view_file_name(position)).symlink_to(os.path.relpath(target, final_links))
-
-
 def view_identity(view_dir: Path) -> str:
     """sha256 of what training reads from a view: its dataset's files (the rows) and the
     content of each hidden-state file it links to, by the sha256 the extraction's shard

@@ -22,6 +22,7 @@ from draftflow.extract import layout
 from draftflow.layers import resolve_layer_ids
 from draftflow.plan import write_plan
 from draftflow.prompt_sources import config_sources, source_files
+from draftflow.pilot import PILOT_FILE
 from draftflow.sampling import gate_temperature
 from draftflow.target_model import read_target_model
 from draftflow.target_source import resolve_target

@@ -1,13 +1,15 @@
 rule pilot:
     input:
         init=rules.drafter_init.output.drafter,
-        train=rules.train_views.output.train,
+        dataset=rules.prepare.output.dataset,
+        hidden_states=rules.extract.output.summary,
+        split=rules.train_views.output.split,
         heldout=rules.train_views.output.heldout,
         drafter=rules.train.output.drafter,
         generation=rules.generate.output.stats,
         target=TARGET,
     output:
-        pilot=result("pilot/pilot.json"),
+        pilot=result(PILOT_FILE),
         plot=report(
             result("pilot/pilot.png"),
             caption="../report/pilot.rst",

@@ -3,7 +3,7 @@ from pathlib import Path
 import torch._dynamo
 
 from draftflow.gpus import claim_gpus
-from draftflow.pilot_training import run_pilot
+from draftflow.pilot_training import ViewSource, run_pilot
 from draftflow.rule_log import logged
 
 # the drafters are measured as evaluate measures them: uncompiled (scripts/evaluate.py says why)
@@ -13,7 +13,7 @@ params = snakemake.params
 with logged(snakemake.log[0]), claim_gpus(snakemake.resources.gpu):
     run_pilot(
         Path(snakemake.input.init),
-        Path(snakemake.input.train),
+        ViewSource(Path(snakemake.input.dataset), Path(snakemake.input.hidden_states), Path(snakemake.input.split)),
         Path(snakemake.input.heldout),
         Path(snakemake.input.drafter),
         Path(snakemake.input.target),
