@@ -134,7 +134,7 @@ def workflow_copy(folder: Path) -> Path:
 # as the collection holds the module that reads it, which runs last, so that the workers run
 # the other modules meanwhile. Module -> what runs, as `python -m RUNS FOLDER`
 # (``early_work_results``).
-EARLY_WORK = {"test_install": "tests.pip_runs"}  # pip against the default index: 5-8 minutes
+EARLY_WORK = {"test_install": "tests.pip_runs"}  # pip against the default index: 2-8 minutes, 202 CPU-s (2026-12-08)
 EARLY_WORK_DONE = "done"  # the file early work writes last, beside its results
 EARLY_WORK_TIMEOUT_S = 1800
 
@@ -145,7 +145,8 @@ def module_of(nodeid: str) -> str:
 
 RUN_PER_PARAMETER_MODULES = {"test_twin_workflows"}
 # The order in which the workers take the scopes that run a minute or more, with the seconds
-# each took in a suite run on 2 cores (--durations=0, 2026-12-07, the demo's run counted in the
+# each took in a suite run on 2 cores (--durations=0 of a fresh clone's `CI=true bash .ci/run`,
+# 2026-12-08, AMD EPYC; `bench/suite_budget.py` prints them; the demo's run counted in the
 # module that asked for it first): the demo first (every module after it reads it, and the
 # background run starts from it) beside the runs that need no demo, then the longest first,
 # so that none is left with a long one at the end. The incremental module starts after the
@@ -153,28 +154,30 @@ RUN_PER_PARAMETER_MODULES = {"test_twin_workflows"}
 # pip's install (EARLY_WORK) and the demo's target build load both cores at the start (its
 # first run once generated 20 times slower there than later).
 SCHEDULE = (
-    "test_train_evaluate_report",  # 585, the demo's run included
-    "test_twin_workflows[gpt_oss]",  # 404
-    "test_incremental_rebuilds",  # 1023
-    "test_walkthrough",  # 363
-    "test_server_faults",  # 364
-    "test_twin_workflows[qwen3_moe]",  # 338
-    "test_resume_reproducibility",  # 342
-    "test_thinking_recipe",  # 300 (estimated: a demo-sized run without MT-Bench)
-    "test_slurm",  # 257
-    "test_twin_workflows[kimi_k25]",  # 248
-    "test_faults",  # 213
-    "test_twin_workflows[deepseek_v3]",  # 200
-    "test_gemma3_ways_out",  # 165
-    "test_gates",  # 164
-    "test_rebuilds",  # 133
-    "test_pilot",  # 90 (estimated: three small trainings on the demo's run)
-    "test_extract_stage",  # 84
-    "test_families",  # 76
-    "test_multi_turn",  # 52
-    "test_mla_rope",  # 50
-    "test_vllm_support",  # 44
-    "test_vllm_hidden_states_connector",  # 44
+    "test_train_evaluate_report",  # 770, the demo's run included
+    "test_twin_workflows[gpt_oss]",  # 560 (beside the demo's target build and pip's install)
+    "test_incremental_rebuilds",  # 1094
+    "test_walkthrough",  # 496
+    "test_server_faults",  # 369
+    "test_twin_workflows[qwen3_moe]",  # 350
+    "test_resume_reproducibility",  # 319
+    "test_thinking_recipe",  # 230
+    "test_twin_workflows[kimi_k25]",  # 224
+    "test_slurm",  # 206
+    "test_twin_workflows[deepseek_v3]",  # 202
+    "test_faults",  # 161
+    "test_gates",  # 152
+    "test_gemma3_ways_out",  # 149
+    "test_rebuilds",  # 125
+    "test_pilot",  # 106
+    "test_training_key",  # 76
+    "test_extract_stage",  # 73
+    "test_families",  # 63
+    "test_epoch_selection",  # 47
+    "test_multi_turn",  # 43
+    "test_mla_rope",  # 42
+    "test_vllm_hidden_states_connector",  # 37
+    "test_vllm_support",  # 37
 )
 
 
