@@ -14,7 +14,7 @@ workflow run's ``benchmarks/`` and every vLLM server log. Prints
   counted once; servers a test starts itself log elsewhere).
 
     CI=true PYTEST_ADDOPTS="--basetemp /tmp/pt --durations=0" /usr/bin/time -v bash .ci/run > run.log 2>&1
-    python bench/suite_budget.py run.log /tmp/pt
+    PYTHONPATH=. .venv/bin/python bench/suite_budget.py run.log /tmp/pt
 """
 
 from __future__ import annotations
@@ -24,18 +24,12 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from tests.scopes import scope
+
 BUDGET_S = 30 * 60
 WORKERS = 2
 DURATION = re.compile(r"^([\d.]+)s (?:setup|call|teardown)\s+(\S+)")
 PID_LINE = "--- its pid and process group: "  # draftflow.vllm_server's, after each start marker
-
-
-def scope(nodeid: str) -> str:
-    """The unit a worker runs whole (tests/conftest.py's scope): a twin's run, else the module."""
-    module = Path(nodeid.split("::", 1)[0]).stem
-    if module == "test_twin_workflows" and "[" in nodeid:
-        return f"{module}[{nodeid.rsplit('[', 1)[1].split('-')[0].rstrip(']')}]"
-    return module
 
 
 def scope_seconds(log: str) -> Counter:

@@ -23,6 +23,7 @@ from filelock import FileLock
 from draftflow.report import COMPARED_FILES
 from draftflow.vllm_registry import CACHE_DIR_ENV
 from draftflow.vllm_server import logged_server_pids
+from tests.scopes import module_of, scope
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
@@ -139,11 +140,6 @@ EARLY_WORK_DONE = "done"  # the file early work writes last, beside its results
 EARLY_WORK_TIMEOUT_S = 1800
 
 
-def module_of(nodeid: str) -> str:
-    return Path(nodeid.split("::", 1)[0]).stem
-
-
-RUN_PER_PARAMETER_MODULES = {"test_twin_workflows"}
 # The order in which the workers take the scopes that run a minute or more, with the seconds
 # each took in a suite run on 2 cores (--durations=0 of a fresh clone's `CI=true bash .ci/run`,
 # 2026-12-08, AMD EPYC; `bench/suite_budget.py` prints them; the demo's run counted in the
@@ -179,15 +175,6 @@ SCHEDULE = (
     "test_vllm_hidden_states_connector",  # 37
     "test_vllm_support",  # 37
 )
-
-
-def scope(nodeid: str) -> str:
-    """The unit a worker runs whole: a run-per-parameter module's tests of one parameter, else
-    the test's module."""
-    module = module_of(nodeid)
-    if module in RUN_PER_PARAMETER_MODULES:
-        return f"{module}[{nodeid.rsplit('[', 1)[1]}"
-    return module
 
 
 def pytest_xdist_make_scheduler(config, log):
