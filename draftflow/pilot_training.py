@@ -55,9 +55,9 @@ def train_fractions(init_dir: Path, views: ViewSource, trained: Path, settings, 
     time, so that edited data or settings train anew while a finished training key resumes at
     its end), the whole view's the run's."""
     from draftflow.train import train_drafter
-    from draftflow.training_data import build_view
+    from draftflow.training_data import build_view, training_rows
 
-    train_rows = read_json(views.split)["train_rows"]
+    train_rows = training_rows(views.split)
     drafters = {}
     for rows in fraction_rows(len(train_rows), fractions):
         if rows == len(train_rows):

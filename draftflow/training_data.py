@@ -22,7 +22,7 @@ from datasets import load_from_disk
 from draftflow.extract.hidden_states import opens_cleanly, read_hidden_states, read_token_ids
 from draftflow.extract.layout import SUMMARY, Sample, token_digest, view_file_name
 from draftflow.fingerprint import file_sha256
-from draftflow.io import atomic_path, read_json
+from draftflow.io import atomic_path, read_json, write_json
 from draftflow.prepared_rows import EVALUATION_SET
 
 
@@ -143,3 +143,13 @@ def split_rows(dataset_dir: Path, fraction: float, seed: int) -> tuple[list[int]
     for i, (sample_id, evaluation_set) in enumerate(zip(columns["sample_id"], columns[EVALUATION_SET], strict=True)):
         (evaluation if evaluation_set else heldout if is_heldout(sample_id, fraction, seed) else train).append(i)
     return train, heldout, evaluation
+
+
+def write_split(path: Path, train: list[int], heldout: list[int], evaluation: list[int]) -> None:
+    """split.json: each view's rows of the prepared dataset, in the view's order."""
+    write_json(path, {"train_rows": train, "heldout_rows": heldout, "evaluation_rows": evaluation})
+
+
+def training_rows(split_path: Path) -> list[int]:
+    """The training view's rows of the prepared dataset, in its order (split.json)."""
+    return read_json(split_path)["train_rows"]

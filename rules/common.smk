@@ -20,9 +20,9 @@ from draftflow.job_placement import (
 from draftflow import answers, run_folder
 from draftflow.extract import layout
 from draftflow.layers import resolve_layer_ids
+from draftflow.pilot import PILOT_FILE
 from draftflow.plan import write_plan
 from draftflow.prompt_sources import config_sources, source_files
-from draftflow.pilot import PILOT_FILE
 from draftflow.sampling import gate_temperature
 from draftflow.target_model import read_target_model
 from draftflow.target_source import resolve_target

@@ -1,8 +1,7 @@
 from pathlib import Path
 
-from draftflow.io import write_json
 from draftflow.rule_log import logged
-from draftflow.training_data import build_view, split_rows
+from draftflow.training_data import build_view, split_rows, write_split
 
 with logged(snakemake.log[0]):
     dataset = Path(snakemake.input.dataset)
@@ -16,5 +15,5 @@ with logged(snakemake.log[0]):
     build_view(dataset, summary, train_rows, Path(snakemake.output.train))
     build_view(dataset, summary, heldout_rows, Path(snakemake.output.heldout))
     build_view(dataset, summary, evaluation_rows, Path(snakemake.output.evaluation))
-    write_json(snakemake.output.split, {"train_rows": train_rows, "heldout_rows": heldout_rows, "evaluation_rows": evaluation_rows})
+    write_split(Path(snakemake.output.split), train_rows, heldout_rows, evaluation_rows)
     print(f"{len(train_rows)} training samples, {len(heldout_rows)} held out, {len(evaluation_rows)} in evaluation sets")

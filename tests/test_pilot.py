@@ -6,6 +6,7 @@ quarter and half of its training samples; the demo's drafter is the whole's."""
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from datasets import load_from_disk
@@ -64,12 +65,14 @@ def test_draftflow_pilot_prints_the_fit_its_interval_and_back_test_and_the_repor
 
     # the pilot rule forced to run again: each fraction's training key resumes at its end, so no
     # epoch is trained or measured again (their files untouched) and the points are the same
-    epochs = sorted((results / "pilot/work").glob("rows-*/work/*/epochs/*/*"))
-    assert {path.parts[-6] for path in epochs} == {f"rows-{count}" for count in rows[:-1]}
-    before = {path: path.stat().st_mtime_ns for path in epochs}
+    def epoch_files() -> dict[Path, int]:
+        return {path: path.stat().st_mtime_ns for path in sorted((results / "pilot/work").glob("rows-*/work/*/epochs/*/*"))}
+
+    before = epoch_files()
+    assert {path.parts[-6] for path in before} == {f"rows-{count}" for count in rows[:-1]}
     again = subprocess.run([str(DRAFTFLOW), "pilot", "--configfile", str(config), "--directory", str(tmp_path), "--cores", "2",
                             "--", "--rerun-triggers", "mtime", "--forcerun", "pilot"], capture_output=True, text=True, timeout=1800)  # fmt: skip
     assert again.returncode == 0, again.stderr[-6000:]
     assert "rule pilot:" in again.stderr and "rule train:" not in again.stderr
     assert json.loads((results / "pilot/pilot.json").read_text())["points"] == pilot["points"]
-    assert {path: path.stat().st_mtime_ns for path in sorted((results / "pilot/work").glob("rows-*/work/*/epochs/*/*"))} == before
+    assert epoch_files() == before
