@@ -13,21 +13,46 @@ workflow run's ``benchmarks/`` and every vLLM server log. Prints
 - the vLLM servers the workflow started (the pid lines of every ``*.server.log``, copies of a log
   counted once; servers a test starts itself log elsewhere).
 
+With ``--floors``, on an otherwise idle machine, it also measures what each of those processes
+costs before it does any work, and prints the run's fixed cost: what the same processes would
+take in CPU seconds if every job, server and workflow run did nothing but start:
+
+- a job: a fresh interpreter importing what its rule's script imports (scripts/*.py's top-level
+  imports), the cheapest of two;
+- speculators' generation client (``python -m speculators regenerate-responses --help``), once per
+  generation job whose log shows the client ran;
+- a vLLM server: the demo's target served as the workflow serves it, its process group's CPU
+  from launch to healthy;
+- a Snakemake run: a dry run of the demo config in an empty folder (parse and plan; counted once
+  per ``.snakemake/log`` file, which dry runs do not write: a floor).
+
     CI=true PYTEST_ADDOPTS="--basetemp /tmp/pt --durations=0" /usr/bin/time -v bash .ci/run > run.log 2>&1
-    PYTHONPATH=. .venv/bin/python bench/suite_budget.py run.log /tmp/pt
+    PYTHONPATH=. .venv/bin/python bench/suite_budget.py run.log /tmp/pt [--floors]
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import os
 import re
+import resource
+import subprocess
+import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
+import psutil
+
+from draftflow.config import load_config
+from draftflow.vllm_server import logged_server_pids, server_env, target_server_args, vllm_server
 from tests.scopes import scope
 
+REPO = Path(__file__).resolve().parents[1]
+
 BUDGET_S = 30 * 60
-WORKERS = 2
+WORKERS = CORES = 2  # make test: a worker per core
 DURATION = re.compile(r"^([\d.]+)s (?:setup|call|teardown)\s+(\S+)")
 PID_LINE = "--- its pid and process group: "  # draftflow.vllm_server's, after each start marker
 
@@ -74,10 +99,90 @@ def server_starts(basetemp: Path) -> Counter:
     return starts
 
 
+def client_runs(basetemp: Path) -> int:
+    """Generation jobs whose client ran (speculators' summary line), copies of a log counted once."""
+    lines = set()
+    for path in basetemp.rglob("logs/**/generate_server-*.log"):
+        if not path.name.endswith(".server.log"):
+            lines |= set(re.findall(r"^.*Pipeline complete in [\d.]+s.*$", path.read_text(errors="replace"), re.MULTILINE))
+    return len(lines)
+
+
+def workflow_runs(basetemp: Path) -> int:
+    """Snakemake runs that were not dry runs: their log files, copies counted once."""
+    return len({path.name for path in basetemp.rglob(".snakemake/log/*.snakemake.log")})
+
+
+def child_cpu(command: list[str], **kwargs) -> float:
+    """CPU seconds (user + system) of ``command`` run to its end, the cheapest of two runs."""
+    costs = []
+    for _ in range(2):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run(command, check=True, capture_output=True, **kwargs)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        costs.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return min(costs)
+
+
+def rule_scripts() -> dict[str, Path]:
+    """Each rule's script, from rules/*.smk."""
+    scripts = {}
+    for smk in (REPO / "rules").glob("*.smk"):
+        for rule, script in re.findall(r"^(?:local)?rule (\w+):.*?^\s+script:\s+\"\.\./(scripts/\w+\.py)\"", smk.read_text(),
+                                       re.MULTILINE | re.DOTALL):  # fmt: skip
+            scripts[rule] = REPO / script
+    return scripts
+
+
+def import_floor(script: Path) -> float:
+    tree = ast.parse(script.read_text())
+    imports = [ast.unparse(node) for node in tree.body
+               if isinstance(node, ast.Import | ast.ImportFrom) and getattr(node, "module", None) != "__future__"]  # fmt: skip
+    return child_cpu([sys.executable, "-c", "; ".join(imports)], env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def server_floor(target: Path, log_dir: Path) -> float:
+    """CPU seconds of the target's server, as the demo's generation serves it, from launch to healthy."""
+    settings = load_config(REPO / "config/config.yaml")
+    args = target_server_args(settings["vllm"], dtype="float32", device="cpu", seed=0, trust_remote_code=False)
+    log = log_dir / "floor.server.log"
+    with vllm_server(str(target), args, log, env=server_env(settings["vllm"], "cpu")):
+        group = logged_server_pids(log.read_text())[-1]
+        return sum(sum(process.cpu_times()[:4]) for process in psutil.process_iter() if group_of(process.pid) == group)
+
+
+def group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:  # ended since the listing
+        return None
+
+
+def print_floors(basetemp: Path, jobs: Counter, servers: int, run_cpu: float | None) -> None:
+    scripts = rule_scripts()
+    demo_target = next(basetemp.rglob("resources/demo-target"))
+    with tempfile.TemporaryDirectory() as scratch:
+        costs = {f"job {rule}": (count, import_floor(scripts[rule])) for rule, count in jobs.items()}
+        client = [sys.executable, "-m", "speculators", "regenerate-responses", "--help"]
+        costs["generation client"] = (client_runs(basetemp), child_cpu(client))
+        costs["vLLM server start"] = (servers, server_floor(demo_target, Path(scratch)))
+        dry_run = [str(Path(sys.executable).with_name("snakemake")), "--snakefile", str(REPO / "Snakefile"), "--directory",
+                   scratch, "--configfile", str(REPO / "config/config.yaml"), "-n", "--cores", "2"]  # fmt: skip
+        costs["Snakemake run"] = (workflow_runs(basetemp), child_cpu(dry_run))
+    total, cpu_budget = sum(count * each for count, each in costs.values()), CORES * BUDGET_S
+    print(f"fixed cost: {total:.0f} CPU-s, {total / cpu_budget:.2f}x the {cpu_budget} CPU-s that "
+          f"{CORES} cores give in {BUDGET_S // 60} min")  # fmt: skip
+    if run_cpu:
+        print(f"  the run's other {run_cpu - total:.0f} CPU-s: the jobs' and servers' work, Snakemake's per job, the tests' own, pip's")
+    for name, (count, each) in sorted(costs.items(), key=lambda item: -item[1][0] * item[1][1]):
+        print(f"  {count * each:7.0f}  {name} ({count} x {each:.1f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("log", type=Path, help="the run's output, with pytest's --durations=0")
     parser.add_argument("basetemp", type=Path, help="the run's --basetemp folder")
+    parser.add_argument("--floors", action="store_true", help="measure each process's fixed cost (minutes; an idle machine)")
     args = parser.parse_args()
     log = args.log.read_text(errors="replace")
 
@@ -87,10 +192,11 @@ def main() -> None:
           f"have {WORKERS * BUDGET_S}: {total / (WORKERS * BUDGET_S):.2f}x the budget")  # fmt: skip
     for name, value in seconds.most_common(25):
         print(f"  {value:7.0f}  {name}")
+    run_cpu = None
     if measured := cpu_seconds(log):
-        cpu, wall = measured
-        print(f"CPU: {cpu:.0f} s (user + system) over pytest's {wall:.0f} s: {cpu / wall:.2f} cores busy on average; "
-              f"at that rate {BUDGET_S} s hold {cpu / wall * BUDGET_S:.0f} CPU-s")  # fmt: skip
+        run_cpu, wall = measured
+        print(f"CPU: {run_cpu:.0f} s (user + system) over pytest's {wall:.0f} s: {run_cpu / wall:.2f} cores busy on "
+              f"average; at that rate {BUDGET_S} s hold {run_cpu / wall * BUDGET_S:.0f} CPU-s")  # fmt: skip
 
     jobs, cpu = job_cpu(args.basetemp)
     print(f"workflow jobs: {sum(jobs.values())}, {sum(cpu.values()):.0f} CPU-s by their benchmarks")
@@ -101,6 +207,9 @@ def main() -> None:
     print(f"vLLM servers started: {sum(starts.values())}")
     for name, count in starts.most_common():
         print(f"  {count:4d}  {name}")
+    print(f"Snakemake runs (not dry runs): {workflow_runs(args.basetemp)}; generation clients run: {client_runs(args.basetemp)}")
+    if args.floors:
+        print_floors(args.basetemp, jobs, sum(starts.values()), run_cpu)
 
 
 if __name__ == "__main__":
