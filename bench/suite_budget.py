@@ -54,7 +54,6 @@ REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = 30 * 60
 WORKERS = CORES = 2  # make test: a worker per core
 DURATION = re.compile(r"^([\d.]+)s (?:setup|call|teardown)\s+(\S+)")
-PID_LINE = "--- its pid and process group: "  # draftflow.vllm_server's, after each start marker
 
 
 def scope_seconds(log: str) -> Counter:
@@ -92,10 +91,9 @@ def server_starts(basetemp: Path) -> Counter:
     """Distinct vLLM server starts by log name (a test's copy of a run holds its logs again)."""
     seen, starts = set(), Counter()
     for path in basetemp.rglob("*.server.log"):
-        for line in path.read_text(errors="replace").splitlines():
-            if line.startswith(PID_LINE) and line not in seen:
-                seen.add(line)
-                starts[re.sub(r"-\d+$", "", path.name.removesuffix(".server.log"))] += 1
+        for pid in set(logged_server_pids(path.read_text(errors="replace"))) - seen:
+            seen.add(pid)
+            starts[re.sub(r"-\d+$", "", path.name.removesuffix(".server.log"))] += 1
     return starts
 
 
